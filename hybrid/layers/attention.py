@@ -1,0 +1,70 @@
+"""Grouped-query attention with no positional encoding (`*` layers).
+
+Nemotron-H attention applies no RoPE: `rope_theta` in published configs is a leftover and is ignored.
+`q_proj [nq*hd, H]`, `k_proj`/`v_proj [nkv*hd, H]`, `o_proj [H, nq*hd]`, causal softmax attention with scale
+`hd ** -0.5` through `torch.nn.functional.scaled_dot_product_attention` (reference: transformers
+`NemotronHAttention`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.cache import KVCache, StepContext
+from hybrid.config import HybridConfig
+
+_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def attention_mask(ctx: StepContext, num_tokens: int, device) -> torch.Tensor | None:
+    """Boolean mask [B, 1, T, past+T] (True = attend) for causal attention over real keys, or None when
+    plain causal attention from position `past` needs none.
+
+    A query always sees itself, so a padding query (whose output is discarded) never gets an empty row.
+    """
+    past, T = ctx.past, num_tokens
+    if ctx.key_mask is None and (past == 0 or T == 1):
+        return None
+    S = past + T
+    query_pos = torch.arange(past, S, device=device)[:, None]
+    key_pos = torch.arange(S, device=device)[None, :]
+    allowed = (key_pos <= query_pos)[None, None]  # [1, 1, T, S]
+    if ctx.key_mask is not None:
+        allowed = allowed & ctx.key_mask[:, None, None, :]
+        allowed = allowed | (key_pos == query_pos)[None, None]
+    return allowed
+
+
+class Attention(nn.Module):
+    """Shapes: x [B, T, hidden_size] -> [B, T, hidden_size]; keys and values appended to the `KVCache`."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        H, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None, kv: KVCache | None = None) -> torch.Tensor:
+        b, T, _ = x.shape
+        q = self.q_proj(x).view(b, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if ctx is None:
+            ctx = StepContext(past=0, mask=None, key_mask=None)
+        if kv is not None:
+            k, v = kv.write(k, v, ctx.past)
+        mask = attention_mask(ctx, T, x.device)
+        is_causal = mask is None and T > 1
+        if self.num_kv_heads != self.num_heads and not _SDPA_HAS_GQA:  # torch 2.4
+            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        gqa = {"enable_gqa": True} if _SDPA_HAS_GQA and self.num_kv_heads != self.num_heads else {}
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
+        return self.o_proj(out.transpose(1, 2).reshape(b, T, self.num_heads * self.head_dim))

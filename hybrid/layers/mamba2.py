@@ -1,0 +1,106 @@
+"""The Mamba-2 mixer (`M` layers): in_proj, causal conv, selective SSD scan, gated grouped RMSNorm, out_proj.
+
+Dao & Gu 2024, "Transformers are SSMs" (Mamba-2), section 7.1 and Listing 1; reference implementations:
+mamba-ssm `Mamba2`, transformers `NemotronHMamba2Mixer`. Forward, per `shared/semantics.md`:
+
+1. zxbcdt = in_proj(x), split as [z: d_inner | xBC: conv_dim | dt: nh]
+2. xBC = silu(causal_conv1d(xBC)) continuing the cached conv window; split as [x: d_inner | B | C]
+3. dt = clamp(softplus(dt + dt_bias), *time_step_limit); A = -exp(A_log); fp32
+4. y = SSD(x, dt, A, B, C) + D * x with an fp32 state [nh, P, N] (chunked for several tokens, one
+   recurrent step for a single token on a cache)
+5. out = out_proj(gated_grouped_rmsnorm(y, z))
+
+The clamp uses `time_step_limit` only, on every path (cases.md case 1). Padded positions get dt = 0 (no
+decay, no input) and are skipped by the conv window, so they leave the state untouched (cases 4 and 5).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid.cache import MambaState, StepContext
+from hybrid.config import HybridConfig
+from hybrid.layers.norm import GatedRMSNorm
+from hybrid.ops import causal_conv1d, ssd_scan, ssd_step
+
+
+class Mamba2Mixer(nn.Module):
+    """Shapes: x [B, T, hidden_size] -> [B, T, hidden_size]; the state in `MambaState` is updated in place."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.num_heads = config.mamba_num_heads
+        self.head_dim = config.mamba_head_dim
+        self.n_groups = config.n_groups
+        self.ssm_state_size = config.ssm_state_size
+        self.d_inner = config.d_inner
+        self.conv_dim = config.conv_dim
+        self.conv_kernel = config.conv_kernel
+        self.chunk_size = config.chunk_size
+        self.time_step_limit = tuple(config.time_step_limit)
+
+        self.in_proj = nn.Linear(config.hidden_size, self.d_inner + self.conv_dim + self.num_heads, bias=config.use_bias)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, config.conv_kernel, groups=self.conv_dim, bias=config.use_conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.zeros(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = GatedRMSNorm(self.d_inner, self.n_groups, eps=config.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=config.use_bias)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None, state: MambaState | None = None) -> torch.Tensor:
+        b, T, _ = x.shape
+        mask = ctx.mask if ctx is not None else None
+        if mask is not None:
+            x = x.masked_fill(~mask[..., None], 0.0)
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+
+        xBC = self._conv(xBC, mask, state)
+        xs, B, C = xBC.split([self.d_inner, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1)
+
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)  # [b, T, nh]
+        if mask is not None:
+            dt = dt * mask[..., None]
+        A = -torch.exp(self.A_log.float())
+        xs = xs.view(b, T, self.num_heads, self.head_dim)
+        B = B.view(b, T, self.n_groups, self.ssm_state_size)
+        C = C.view(b, T, self.n_groups, self.ssm_state_size)
+
+        if state is not None and T == 1:
+            y = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)[:, None]
+        else:
+            y, final = ssd_scan(xs, dt, A, B, C, self.chunk_size, None if state is None else state.ssm)
+            if state is not None:
+                state.ssm.copy_(final)
+        y = y + self.D.float()[:, None] * xs.float()
+        y = self.norm(y.reshape(b, T, self.d_inner), z, out_dtype=x.dtype)
+        return self.out_proj(y)
+
+    def _conv(self, xBC: torch.Tensor, mask: torch.Tensor | None, state: MambaState | None) -> torch.Tensor:
+        """Causal conv + SiLU over [b, T, conv_dim], continuing and updating the cached window.
+
+        With a padding mask, each row's real tokens are moved to the front (order kept) before the conv and
+        moved back after it, so a real token's window holds the previous real tokens whatever padding lies
+        between them; the new window is the K-1 inputs ending at the row's last real token.
+        """
+        b, T, c = xBC.shape
+        K1 = self.conv_kernel - 1
+        window = state.conv if state is not None else xBC.new_zeros(b, c, K1)
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        if mask is None:
+            out, xpad = causal_conv1d(xBC.transpose(1, 2), weight, bias, window)
+            new_window = xpad[:, :, xpad.shape[-1] - K1 :]
+        else:
+            order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first
+            gather_idx = order[:, None, :].expand(b, c, T)
+            out_c, xpad = causal_conv1d(xBC.transpose(1, 2).gather(2, gather_idx), weight, bias, window)
+            out = torch.empty_like(out_c).scatter_(2, gather_idx, out_c)
+            n_real = mask.sum(dim=1)
+            win_idx = n_real[:, None] + torch.arange(K1, device=xBC.device)[None, :]
+            new_window = xpad.gather(2, win_idx[:, None, :].expand(b, c, K1))
+        if state is not None:
+            state.conv.copy_(new_window)
+        return out.transpose(1, 2)

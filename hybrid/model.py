@@ -1,0 +1,181 @@
+"""The hybrid stack: embeddings, pre-norm blocks from the layer pattern, final norm, LM head; the MTP block.
+
+    h = embeddings[input_ids]
+    for each layer: h = h + mixer(RMSNorm(h))        mixer by pattern character: M Mamba-2, * attention,
+                                                     E MoE, - dense MLP
+    logits = lm_head(norm_f(h)).float()
+
+Module names mirror the published tensor names (`backbone.layers.{i}.mixer...`, `lm_head`, `mtp.layers.{j}`),
+so loading is a direct mapping (reference: transformers `NemotronHForCausalLM`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.cache import HybridCache, StepContext
+from hybrid.config import ATTENTION, MAMBA, MLP as MLP_CHAR, MOE, HybridConfig
+from hybrid.layers.attention import Attention
+from hybrid.layers.mamba2 import Mamba2Mixer
+from hybrid.layers.mlp import MLP
+from hybrid.layers.norm import RMSNorm
+from moe.layer import MoE
+
+# Parameters held in fp32 whatever the model dtype: the router (transformers keeps `gate.weight` and the
+# correction bias in fp32) and the per-head SSM parameters (tiny; bf16 values upcast exactly).
+FP32_SUFFIXES = (".mixer.gate.weight", ".mixer.gate.e_score_correction_bias", ".mixer.A_log", ".mixer.D", ".mixer.dt_bias")
+
+
+def make_mixer(kind: str, config: HybridConfig) -> nn.Module:
+    """The mixer module for one pattern character."""
+    if kind == MAMBA:
+        return Mamba2Mixer(config)
+    if kind == ATTENTION:
+        return Attention(config)
+    if kind == MOE:
+        return MoE(config)
+    if kind == MLP_CHAR:
+        return MLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+class Block(nn.Module):
+    """One pre-norm residual layer: `h + mixer(norm(h))`. Shapes: [B, T, H] -> [B, T, H]."""
+
+    def __init__(self, kind: str, config: HybridConfig):
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mixer = make_mixer(kind, config)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext | None, state=None) -> torch.Tensor:
+        x = self.norm(h)
+        if self.kind in (MAMBA, ATTENTION):
+            return h + self.mixer(x, ctx, state)
+        return h + self.mixer(x)
+
+
+class Backbone(nn.Module):
+    """`backbone.*`: embeddings, the blocks, the final norm."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(kind, config) for kind in config.hybrid_override_pattern)
+        self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
+class MTPLayer(Block):
+    """One layer of the multi-token-prediction block (`mtp.layers.{j}`).
+
+    The first layer also holds `enorm`, `hnorm` and `eh_proj [H, 2H]`; the last one `final_layernorm`.
+    """
+
+    def __init__(self, kind: str, config: HybridConfig, first: bool, last: bool):
+        super().__init__(kind, config)
+        H, eps = config.hidden_size, config.layer_norm_epsilon
+        if first:
+            self.enorm = RMSNorm(H, eps)
+            self.hnorm = RMSNorm(H, eps)
+            self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        if last:
+            self.final_layernorm = RMSNorm(H, eps)
+
+
+class MTP(nn.Module):
+    """The MTP block (`mtp.layers.*`, pattern `mtp_pattern`), used only to draft tokens.
+
+    `h = eh_proj(cat([enorm(embed(next_tokens)), hnorm(prev_hidden)], -1))`, then the pre-norm layers, then
+    `final_layernorm`; the caller applies the shared `lm_head` (shared/semantics.md).
+    """
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        if config.num_nextn_predict_layers != 1:
+            raise ValueError(
+                f"`num_nextn_predict_layers` is {config.num_nextn_predict_layers}; only 0 or 1 MTP module is supported"
+            )
+        n = len(config.mtp_pattern)
+        self.layers = nn.ModuleList(
+            MTPLayer(kind, config, first=j == 0, last=j == n - 1) for j, kind in enumerate(config.mtp_pattern)
+        )
+
+
+class HybridForCausalLM(nn.Module):
+    """A Nemotron-H style hybrid language model.
+
+    Call: `model(input_ids [B, T] int64, cache=None, attention_mask=None, logits_to_keep=0)` ->
+    logits [B, T, vocab_size] float32 (only the last `logits_to_keep` positions when it is > 0).
+    `attention_mask` marks real tokens (1) and padding (0): [B, T] for the new tokens, or [B, past + T]
+    as transformers passes it. A cache from `new_cache` is updated in place.
+    """
+
+    def __init__(self, config: HybridConfig):
+        super().__init__()
+        self.config = config
+        self.backbone = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.backbone.embeddings.weight
+        self.mtp = MTP(config) if config.num_nextn_predict_layers else None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.embeddings.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.embeddings.weight.device
+
+    def cast(self, dtype: torch.dtype) -> "HybridForCausalLM":
+        """Convert floating-point weights to `dtype`, keeping the `FP32_SUFFIXES` tensors in fp32."""
+        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
+            want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+            if t.is_floating_point() and t.dtype != want:
+                t.data = t.data.to(want)
+        return self
+
+    def new_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
+        """An empty inference state for `batch_size` sequences (KV preallocated for `capacity` positions)."""
+        return HybridCache(self.config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: HybridCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        h = self.hidden_states(input_ids, cache, attention_mask)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return self.lm_head(self.backbone.norm_f(h)).float()
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, cache: HybridCache | None = None, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The last layer's output before `norm_f`: [B, T, hidden_size] in the model dtype."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        mask = self._token_mask(attention_mask, B, T, cache)
+        ctx = cache.begin(B, T, mask) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
+        h = self.backbone.embeddings(input_ids)
+        for i, block in enumerate(self.backbone.layers):
+            h = block(h, ctx, cache.layers[i] if cache is not None else None)
+        return h
+
+    @staticmethod
+    def _token_mask(attention_mask, B: int, T: int, cache: HybridCache | None) -> torch.Tensor | None:
+        """The [B, T] bool mask of real new tokens, or None when all are real."""
+        if attention_mask is None:
+            return None
+        past = cache.seq_len if cache is not None else 0
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != B or attention_mask.shape[1] not in (T, past + T):
+            raise ValueError(
+                f"attention_mask must be [batch, new tokens] = [{B}, {T}] or [batch, past + new] = [{B}, {past + T}], "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        mask = attention_mask[:, -T:].bool() if T else attention_mask[:, :0].bool()
+        return None if bool(mask.all()) else mask

@@ -1,0 +1,44 @@
+"""The routed expert bank: every expert resident as stacked tensors, only the selected ones computed.
+
+Experts are non-gated squared-ReLU MLPs (`y = down(relu(up(x)) ** 2)`, no gate_proj). Checkpoints store one
+tensor per expert (`experts.{j}.up_proj.weight`); the loader stacks them into `up_proj [E, I, L]` and
+`down_proj [E, L, I]` (L = hidden_size, or moe_latent_size with latent projections).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybrid.layers.mlp import relu2
+
+
+class ExpertBank(nn.Module):
+    """Shapes: x [T, L], weights [T, k] fp32, ids [T, k] -> [T, L] in x's dtype (summed in fp32).
+
+    Tokens are grouped by expert (a stable sort of the flattened ids); each expert that received tokens
+    runs one matmul pair over its tokens; experts nobody chose are never touched.
+    """
+
+    def __init__(self, n_experts: int, in_features: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.zeros(n_experts, intermediate_size, in_features))
+        self.down_proj = nn.Parameter(torch.zeros(n_experts, in_features, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        T, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
+        token_of = order // k
+        weight_of = weights.reshape(-1)[order]
+        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start : start + count]
+            h = relu2(x[rows] @ self.up_proj[expert].T) @ self.down_proj[expert].T
+            out.index_add_(0, rows, h.float() * weight_of[start : start + count, None])
+            start += count
+        return out.to(x.dtype)
