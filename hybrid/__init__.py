@@ -1,9 +1,19 @@
-"""Nemotron-style hybrid Mamba-2 / attention Mixture-of-Experts language models for inference."""
+"""Nemotron-style hybrid Mamba-2 / attention Mixture-of-Experts language models for inference.
+
+    model, tokenizer = hybrid.load("path/or/org-repo", dtype="bf16")
+    logits = model(input_ids)                                  # [B, T, V] float32
+    [completion] = hybrid.generate(model, tokenizer, "Hello", max_new_tokens=32)
+"""
 
 from hybrid.cache import HybridCache
-from hybrid.config import ConfigError, HybridConfig
 from hybrid.checkpoint_files import CheckpointError
-from hybrid.loading import load_model
+from hybrid.config import ConfigError, HybridConfig
+from hybrid.generate import Completion, generate
+from hybrid.loading import load, load_model
 from hybrid.model import HybridForCausalLM
+from hybrid.tokenizer import Tokenizer
 
-__all__ = ["CheckpointError", "ConfigError", "HybridCache", "HybridConfig", "HybridForCausalLM", "load_model"]
+__all__ = [
+    "CheckpointError", "Completion", "ConfigError", "HybridCache", "HybridConfig", "HybridForCausalLM",
+    "Tokenizer", "generate", "load", "load_model",
+]

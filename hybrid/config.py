@@ -311,7 +311,10 @@ class HybridConfig:
             if f.name == "quantization_config" and value is None:
                 continue
             d[f.name] = value
-        d["time_step_limit"] = [v if math.isfinite(v) else {"__float__": "Infinity"} for v in self.time_step_limit]
+        if self.time_step_limit == (0.0, math.inf):  # the default; NVIDIA's configs leave it out
+            del d["time_step_limit"]
+        else:  # transformers 5's JSON encoding of a non-finite float
+            d["time_step_limit"] = [v if math.isfinite(v) else {"__float__": "Infinity"} for v in self.time_step_limit]
         if self.num_nextn_predict_layers:
             d["mtp_hybrid_override_pattern"] = self.mtp_pattern
         d["num_hidden_layers"] = self.num_hidden_layers

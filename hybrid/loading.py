@@ -171,3 +171,22 @@ def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles) -> None:
 def _first(names: list[str], n: int = 8) -> str:
     shown = ", ".join(names[:n])
     return shown + (f" ... and {len(names) - n} more" if len(names) > n else "")
+
+
+def load(
+    path_or_repo: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    revision: str | None = None,
+):
+    """Load a model and its tokenizer: `(HybridForCausalLM, Tokenizer)`.
+
+    The tokenizer's `stop_ids` are the union of config.json's, generation_config.json's and the
+    tokenizer's eos ids. Raises what `load_model` and `Tokenizer.from_dir` raise.
+    """
+    from hybrid.tokenizer import Tokenizer
+
+    directory = resolve_checkpoint(path_or_repo, revision)
+    model = load_model(directory, dtype, device)
+    tokenizer = Tokenizer.from_dir(directory, config_eos=model.config.eos_token_ids, config_pad=model.config.pad_token_id)
+    return model, tokenizer

@@ -1,0 +1,136 @@
+"""The `hybrid` command: `generate` text from a checkpoint, `info` about a checkpoint or config.
+
+    hybrid generate [MODEL] --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-k K]
+                    [--top-p P] [--seed S] [--dtype D] [--json]
+    hybrid info MODEL [--json]
+
+MODEL is a checkpoint directory or a hub repo id; `generate` without MODEL uses the default checkpoint in
+`checkpoints/`. `info` also accepts a bare config.json (no weights needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "hybrid-mini"
+
+
+def _generate(args) -> int:
+    from hybrid.generate import generate
+    from hybrid.loading import load
+
+    if args.model is None:
+        if not (DEFAULT_CHECKPOINT / "config.json").exists():
+            print(f"error: no MODEL given and the default checkpoint {DEFAULT_CHECKPOINT} is missing", file=sys.stderr)
+            return 2
+        args.model = str(DEFAULT_CHECKPOINT)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    model, tokenizer = load(args.model, dtype=args.dtype)
+
+    def stream(row: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    chat_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
+    (c,) = generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
+                    on_text=None if args.json else stream, **chat_kwargs)
+    summary = {
+        "prompt_tokens": c.prompt_tokens, "generated_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+        "prefill_seconds": round(c.prefill_seconds, 4), "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 2),
+        "decode_seconds": round(c.decode_seconds, 4), "decode_tokens_per_s": round(c.decode_tokens_per_s, 2),
+    }
+    if args.json:
+        print(json.dumps({"text": c.text, "token_ids": c.token_ids, **summary}))
+    else:
+        sys.stdout.write("\n")
+        print(
+            f"[{c.prompt_tokens} prompt tokens: prefill {summary['prefill_tokens_per_s']} tok/s | "
+            f"{len(c.token_ids)} generated: decode {summary['decode_tokens_per_s']} tok/s | finish: {c.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _info(args) -> int:
+    from hybrid.accounting import describe
+    from hybrid.config import HybridConfig
+    from hybrid.loading import parse_dtype
+
+    path = Path(args.model).expanduser()
+    if path.is_file():
+        config_path = path
+    elif path.is_dir():
+        config_path = path / "config.json"
+    else:
+        from hybrid.checkpoint_files import resolve_checkpoint
+
+        config_path = resolve_checkpoint(args.model) / "config.json"
+    config = HybridConfig.from_file(config_path)
+    report = describe(config, parse_dtype(args.dtype, config))
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"pattern        {report['pattern']}  ({len(report['pattern'])} layers: "
+          + ", ".join(f"{n} {k}" for k, n in report["layers"].items() if n) + ")")
+    print(f"parameters     {report['parameters']:,} total, {report['active_parameters_per_token']:,} active per token "
+          f"(+ {report['embedding_parameters']:,} embedding)")
+    print("weight bytes   " + ", ".join(f"{k}: {v:,}" for k, v in report["bytes_by_dtype"].items())
+          + f"  (total {report['weight_bytes'] / 2**30:.2f} GiB, {report['dtype']})")
+    print(f"KV cache       {report['kv_cache_bytes_per_token']:,} bytes per token")
+    print(f"Mamba state    {report['mamba_state_bytes_per_sequence']:,} bytes per sequence "
+          f"({report['mamba_state_bytes_per_sequence'] / 2**20:.1f} MiB, constant in length)")
+    if report["mtp"]:
+        print(f"MTP            layers {report['mtp']['layers']!r}, {report['mtp']['parameters']:,} parameters")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hybrid", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a checkpoint (streams to stdout)")
+    g.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub repo id (default: shipped checkpoint)")
+    g.add_argument("--prompt", required=True, help="prompt text, or '-' to read it from stdin")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--enable-thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="passed to the chat template (Nemotron 3 reasoning switch)")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the checkpoint's dtype")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(func=_generate)
+
+    i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json")
+    i.add_argument("model", help="checkpoint directory, config.json file, or hub repo id")
+    i.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the config's dtype")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from hybrid.checkpoint_files import CheckpointError
+    from hybrid.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (ConfigError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Autoregressive generation: sampling, batches of prompts with left padding, streaming, speed figures.
+
+One forward path serves everything: the prompt is prefilled (in chunks of `prefill_chunk_size` tokens, so
+attention memory stays bounded on long prompts) into a `HybridCache`, then each step feeds one token per
+row. A left-padded row gives the same tokens as the prompt run alone (cases.md case 4).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from hybrid.model import HybridForCausalLM
+
+
+@dataclass
+class Completion:
+    """One generated continuation.
+
+    token_ids: the generated ids, the stop token included when `finish_reason == "stop"`.
+    text: the decoded continuation without special tokens and without the stop token.
+    finish_reason: "stop" (a stop id was produced) or "length" (`max_new_tokens` reached).
+    prefill_seconds / decode_seconds: wall time of the batch's prefill (up to the first token) and of the
+    decode steps after it; the rates count this row's tokens.
+    """
+
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    text: str = ""
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        steps = max(len(self.token_ids) - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else float("inf")
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 (or None) is greedy (ties: lowest id); top_k / top_p filter before sampling."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.seed)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Next token ids [B] from logits [B, V] (fp32)."""
+    if not params.temperature:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p is not None and params.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs.cpu(), 1, generator=params.generator)[:, 0].to(logits.device)
+
+
+@torch.inference_mode()
+def generate_ids(
+    model: HybridForCausalLM,
+    prompts: list[list[int]],
+    max_new_tokens: int = 256,
+    sampling: SamplingParams | None = None,
+    stop_ids: list[int] | tuple[int, ...] = (),
+    pad_id: int = 0,
+    prefill_chunk_size: int = 2048,
+    on_tokens: Callable[[list[int | None]], None] | None = None,
+) -> list[Completion]:
+    """Generate from token-id prompts (a batch, left-padded to a common length).
+
+    Args:
+        prompts: B lists of token ids, each non-empty.
+        on_tokens: called after each step with the new token of each row (None for finished rows).
+    Returns:
+        B `Completion`s (text empty; see `generate` for text).
+    Raises:
+        ValueError: an empty prompt list, an empty prompt, or max_new_tokens < 1.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    sampling = sampling or SamplingParams()
+    B, L = len(prompts), max(len(p) for p in prompts)
+    device = model.device
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    for row, p in enumerate(prompts):
+        ids[row, L - len(p):] = torch.tensor(p)
+        mask[row, L - len(p):] = True
+    ids, mask = ids.to(device), mask.to(device)
+    cache = model.new_cache(B, capacity=L + max_new_tokens)
+    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+
+    start = time.perf_counter()
+    for s in range(0, L, prefill_chunk_size):
+        logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
+                       logits_to_keep=1)
+    token = sample(logits[:, -1], sampling)
+    prefill_done = time.perf_counter()
+
+    out: list[list[int]] = [[] for _ in range(B)]
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    reasons = ["length"] * B
+    for step in range(max_new_tokens):
+        alive = (~finished).tolist()
+        values = token.tolist()
+        for row in range(B):
+            if alive[row]:
+                out[row].append(values[row])
+        if on_tokens is not None:
+            on_tokens([v if a else None for v, a in zip(values, alive)])
+        hit = torch.isin(token, stop) & ~finished
+        for row in hit.nonzero().flatten().tolist():
+            reasons[row] = "stop"
+        finished |= hit
+        if bool(finished.all()) or step == max_new_tokens - 1:
+            break
+        logits = model(token[:, None], cache)
+        token = sample(logits[:, -1], sampling)
+    end = time.perf_counter()
+    return [
+        Completion(out[row], reasons[row], len(prompts[row]), prefill_done - start, end - prefill_done)
+        for row in range(B)
+    ]
+
+
+class _TextStream:
+    """Incremental detokenisation per row: emit the new text suffix, hold back an incomplete character."""
+
+    def __init__(self, tokenizer, rows: int, on_text: Callable[[int, str], None], stop_ids):
+        self.tokenizer, self.on_text, self.stop_ids = tokenizer, on_text, set(stop_ids)
+        self.ids: list[list[int]] = [[] for _ in range(rows)]
+        self.sent = [""] * rows
+
+    def __call__(self, tokens: list[int | None]) -> None:
+        for row, t in enumerate(tokens):
+            if t is None or t in self.stop_ids:
+                continue
+            self.ids[row].append(t)
+            text = self.tokenizer.decode(self.ids[row])
+            if text.endswith("\ufffd"):
+                continue
+            self._emit(row, text)
+
+    def finish(self, texts: list[str]) -> None:
+        """Emit whatever was held back (an incomplete character at the very end)."""
+        for row, text in enumerate(texts):
+            self._emit(row, text)
+
+    def _emit(self, row: int, text: str) -> None:
+        if text.startswith(self.sent[row]) and len(text) > len(self.sent[row]):
+            self.on_text(row, text[len(self.sent[row]):])
+            self.sent[row] = text
+
+
+def generate(
+    model: HybridForCausalLM,
+    tokenizer,
+    prompts: str | list[str],
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    chat: bool = False,
+    on_text: Callable[[int, str], None] | None = None,
+    **chat_kwargs,
+) -> list[Completion]:
+    """Generate text for one prompt or a batch of prompts.
+
+    Args:
+        prompts: a string or a list of strings (a batch; rows are left-padded and independent).
+        chat: wrap each prompt as a user message and render the checkpoint's chat template
+            (`chat_kwargs`, e.g. `enable_thinking=False`, reach the template).
+        on_text: streaming callback `(row, new_text)` called as text is produced.
+    Returns:
+        A list of `Completion`s, one per prompt, with `.text`, `.token_ids`, `.finish_reason`.
+    """
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if chat:
+        ids = [tokenizer.encode_chat([{"role": "user", "content": p}], **chat_kwargs) for p in prompts]
+    else:
+        ids = [tokenizer.encode(p) for p in prompts]
+    stop_ids = tokenizer.stop_ids
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    stream = _TextStream(tokenizer, len(ids), on_text, stop_ids) if on_text else None
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    completions = generate_ids(model, ids, max_new_tokens, sampling, stop_ids, pad, on_tokens=stream)
+    for c in completions:
+        body = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
+        c.text = tokenizer.decode(body)
+    if stream is not None:
+        stream.finish([c.text for c in completions])
+    return completions

@@ -1,0 +1,72 @@
+"""The `hybrid` command, run as a subprocess on a saved tiny checkpoint."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tiny_checkpoint import write_checkpoint
+
+NANO = Path(__file__).resolve().parents[2] / "shared" / "configs" / "nemotron-3-nano-30b-a3b.config.json"
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("cli"), pattern="ME*-M", seed=5)
+
+
+def test_generate_streams_text_and_speed(ckpt):
+    import hybrid
+
+    model, tok = hybrid.load(ckpt)
+    (expected,) = hybrid.generate(model, tok, "The grass is green.", max_new_tokens=12)
+    r = run("generate", str(ckpt), "--prompt", "The grass is green.", "--max-new-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected.text + "\n"
+    assert "prefill" in r.stderr and "decode" in r.stderr and "tok/s" in r.stderr
+
+
+def test_generate_json_chat_and_sampling(ckpt):
+    r = run("generate", str(ckpt), "--prompt", "hi", "--chat", "--max-new-tokens", "5", "--temperature", "0.8",
+            "--top-k", "20", "--top-p", "0.9", "--seed", "1", "--dtype", "bf16", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prompt_tokens"] > 3 and 1 <= out["generated_tokens"] <= 5
+    assert out["finish_reason"] in ("stop", "length") and out["decode_tokens_per_s"] > 0
+    again = json.loads(run("generate", str(ckpt), "--prompt", "hi", "--chat", "--max-new-tokens", "5", "--temperature",
+                           "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "1", "--dtype", "bf16", "--json").stdout)
+    assert again["token_ids"] == out["token_ids"]
+
+
+def test_info_json_on_checkpoint(ckpt):
+    r = run("info", str(ckpt), "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["pattern"] == "ME*-M" and info["layers"] == {"mamba2": 2, "attention": 1, "moe": 1, "mlp": 1}
+    assert info["kv_cache_bytes_per_token"] == 1 * 2 * 2 * 8 * 4
+    import hybrid
+
+    model = hybrid.load_model(ckpt)
+    assert info["parameters"] == sum(t.numel() for t in model.state_dict().values())
+
+
+def test_info_from_config_alone():
+    if not NANO.exists():
+        pytest.skip("shared/configs not available")
+    r = run("info", str(NANO))
+    assert r.returncode == 0, r.stderr
+    assert "31,577,940,288" in r.stdout and "6,144 bytes per token" in r.stdout and "46.8 MiB" in r.stdout
+
+
+def test_errors_are_one_clear_line(tmp_path):
+    r = run("generate", str(tmp_path / "missing"), "--prompt", "x")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "no such directory" in r.stderr
+    (tmp_path / "config.json").write_text("{")
+    r = run("info", str(tmp_path))
+    assert r.returncode == 2 and "not valid JSON" in r.stderr

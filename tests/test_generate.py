@@ -1,0 +1,119 @@
+"""Generation: sampling rules, stop ids, batches with left padding, streaming, speed fields."""
+
+import pytest
+import torch
+
+import hybrid
+from hybrid.generate import SamplingParams, generate_ids, sample
+from tiny_checkpoint import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return hybrid.load(write_checkpoint(tmp_path_factory.mktemp("gen"), pattern="M*EM-M", seed=3))
+
+
+def greedy_reference(model, prompt, n):
+    """Oracle: full forward over the growing sequence, no cache, argmax each time."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_greedy_equals_full_forward_argmax(loaded):
+    model, tok = loaded
+    prompt = tok.encode("The pass key is 12345.")
+    (c,) = generate_ids(model, [prompt], max_new_tokens=12)
+    assert c.token_ids == greedy_reference(model, prompt, 12)
+    assert c.finish_reason == "length" and c.prompt_tokens == len(prompt)
+
+
+def test_batch_rows_equal_rows_alone(loaded):
+    model, tok = loaded
+    prompts = [tok.encode(t) for t in ("hello", "The grass is green. The sky is blue.", "a", "東京 café")]
+    together = generate_ids(model, prompts, max_new_tokens=10)
+    for p, c in zip(prompts, together):
+        (alone,) = generate_ids(model, [p], max_new_tokens=10)
+        assert c.token_ids == alone.token_ids
+
+
+def test_chunked_prefill_equals_one_pass(loaded):
+    model, tok = loaded
+    prompt = tok.encode("The grass is green. The sky is blue. The sun is yellow. Here we go. " * 3)
+    (a,) = generate_ids(model, [prompt], max_new_tokens=8)
+    (b,) = generate_ids(model, [prompt], max_new_tokens=8, prefill_chunk_size=7)
+    assert a.token_ids == b.token_ids
+
+
+def test_stop_id_ends_generation(loaded):
+    model, tok = loaded
+    prompt = tok.encode("hello world")
+    (free,) = generate_ids(model, [prompt], max_new_tokens=10)
+    stop = free.token_ids[3]
+    first = free.token_ids.index(stop)
+    (c,) = generate_ids(model, [prompt], max_new_tokens=10, stop_ids=[stop])
+    assert c.finish_reason == "stop"
+    assert c.token_ids == free.token_ids[: first + 1]
+
+
+def test_text_streaming_and_stop_token_hidden(loaded):
+    model, tok = loaded
+    (free,) = hybrid.generate(model, tok, "hello world", max_new_tokens=8)
+    tok_stop = list(tok.stop_ids)
+    tok.stop_ids = tok_stop + [free.token_ids[5]]
+    try:
+        pieces = []
+        (c,) = hybrid.generate(model, tok, "hello world", max_new_tokens=8, on_text=lambda row, t: pieces.append(t))
+    finally:
+        tok.stop_ids = tok_stop
+    assert c.finish_reason == "stop"
+    assert c.text == tok.decode(c.token_ids[:-1])
+    assert "".join(pieces) == c.text
+    assert c.prefill_seconds > 0 and c.decode_seconds >= 0 and c.prefill_tokens_per_s > 0
+
+
+def test_stop_ids_are_the_union(loaded):
+    _, tok = loaded
+    # config.json eos 2 (</s>), generation_config eos 2, tokenizer eos <|im_end|> = 4
+    assert tok.stop_ids == [2, 4]
+
+
+def test_sampling_rules():
+    logits = torch.tensor([[0.0, 3.0, 2.9, -1.0, 1.0]])
+    assert sample(logits, SamplingParams()).item() == 1
+    assert sample(torch.tensor([[1.0, 5.0, 5.0]]), SamplingParams()).item() == 1  # ties: lowest id
+    draws = [sample(logits, SamplingParams(temperature=1.0, top_k=2, seed=s)).item() for s in range(200)]
+    assert set(draws) == {1, 2}
+    # top_p: p(1)=0.49, p(2)=0.44 under softmax; 0.5 keeps exactly {1, 2}
+    draws = [sample(logits, SamplingParams(temperature=1.0, top_p=0.5, seed=s)).item() for s in range(200)]
+    assert set(draws) == {1, 2}
+    draws = [sample(logits, SamplingParams(temperature=1.0, top_p=0.3, seed=s)).item() for s in range(50)]
+    assert set(draws) == {1}
+    a = [sample(logits, SamplingParams(temperature=1.0, seed=7)).item() for _ in range(5)]
+    b = [sample(logits, SamplingParams(temperature=1.0, seed=7)).item() for _ in range(5)]
+    assert a == b
+
+
+def test_sampling_frequencies_follow_softmax():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    params = SamplingParams(temperature=1.0, seed=0)
+    n = 4000
+    counts = torch.bincount(torch.cat([sample(logits.expand(n, 3), params)]), minlength=3).float() / n
+    expected = logits.softmax(-1)[0]
+    assert torch.allclose(counts, expected, atol=0.03)  # 4000 draws: std <= 0.008
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-1), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=1.5), "top_p")])
+def test_bad_sampling_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_generate_arguments(loaded):
+    model, _ = loaded
+    with pytest.raises(ValueError, match="non-empty"):
+        generate_ids(model, [[]])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_ids(model, [[1]], max_new_tokens=0)

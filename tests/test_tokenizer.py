@@ -1,0 +1,66 @@
+"""Tokenizer files, the sandboxed chat template, and stop ids."""
+
+import json
+
+import pytest
+
+from hybrid.tokenizer import Tokenizer
+from tiny_checkpoint import write_tokenizer
+
+
+@pytest.fixture
+def tokdir(tmp_path):
+    write_tokenizer(tmp_path)
+    return tmp_path
+
+
+def test_round_trip_text(tokdir):
+    tok = Tokenizer.from_dir(tokdir)
+    text = "The pass key is 12345. naïve café 東京 ✓"
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_chat_template(tokdir):
+    tok = Tokenizer.from_dir(tokdir)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert ids[0] == tok.token_to_id("<|im_start|>") and tok.token_to_id("<|im_end|>") in ids
+
+
+def test_template_file_and_kwargs(tokdir):
+    (tokdir / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% if enable_thinking %}<think>{% else %}none{% endif %}{{ messages[0]['content'] | tojson }}")
+    tok = Tokenizer.from_dir(tokdir)
+    assert tok.apply_chat_template([{"role": "user", "content": "é"}], enable_thinking=True) == '<s><think>"é"'
+
+
+@pytest.mark.parametrize("template", [
+    "{{ messages.__class__.__mro__[1].__subclasses__() }}",
+    "{{ ''.__class__.__base__ }}",
+    "{% set _ = messages.append(1) %}",
+])
+def test_template_runs_sandboxed(tokdir, template):
+    (tokdir / "chat_template.jinja").write_text(template)
+    tok = Tokenizer.from_dir(tokdir)
+    with pytest.raises(ValueError, match="is unsafe"):  # jinja2's SecurityError, reported as a template failure
+        tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_raise_exception_in_template(tokdir):
+    (tokdir / "chat_template.jinja").write_text("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(ValueError, match="roles must alternate"):
+        Tokenizer.from_dir(tokdir).apply_chat_template([])
+
+
+def test_stop_ids_union(tokdir):
+    (tokdir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3]}))
+    tok = Tokenizer.from_dir(tokdir, config_eos=[1])
+    assert tok.stop_ids == [1, 2, 3, 4]
+
+
+def test_missing_tokenizer(tmp_path):
+    from hybrid.checkpoint_files import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no tokenizer.json"):
+        Tokenizer.from_dir(tmp_path)
