@@ -167,3 +167,30 @@ def test_tied_head_must_equal_embeddings(tmp_path):
     _edit_weights(d, lambda t: t.update({"lm_head.weight": t["backbone.embeddings.weight"] + 1}))
     with pytest.raises(CheckpointError, match="tie_word_embeddings, but lm_head.weight differs"):
         hybrid.load_model(d)
+
+
+def test_hub_repo_id_goes_through_huggingface_hub(single, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def fake_snapshot_download(repo_id, revision=None, allow_patterns=None):
+        calls.append((repo_id, revision, allow_patterns))
+        return str(single)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
+    model, tok = hybrid.load("nvidia/Some-Model-BF16")
+    assert calls[0][0] == "nvidia/Some-Model-BF16" and "*.safetensors" in calls[0][2]
+    assert not any(p.endswith((".bin", ".pt")) for p in calls[0][2])
+    assert tok.stop_ids and model.config.hybrid_override_pattern == "M*E-"
+
+
+def test_hub_failure_is_one_clear_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(CheckpointError, match="nvidia/X: not a local directory, and downloading it from the hub failed"):
+        hybrid.load_model("nvidia/X")

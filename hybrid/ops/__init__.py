@@ -1,25 +1,26 @@
 """The seam that picks the implementation of the Mamba-2 hot operations.
 
 The plain PyTorch versions (`ssd.py`, `conv1d.py`) are the specification and what runs on the CPU. On a
-CUDA tensor, when the `mamba-ssm` package (extra `cuda`) is importable, the SSD scan and the recurrent
-step use its Triton kernels instead; both take the already processed `dt` (softplus, clamp and padding
-mask applied by the mixer), so every path shares one definition of `dt` (cases.md case 1).
+CUDA tensor, when the `mamba-ssm` / `causal-conv1d` packages (extra `cuda`) are importable, the SSD scan,
+the recurrent step and the decode conv step use their kernels instead. The scan kernels take the already
+processed `dt` (softplus, clamp and padding mask applied by the mixer), so every path shares one
+definition of `dt` (cases.md case 1).
 """
 
 from __future__ import annotations
 
 import functools
 
-import torch
-
+from hybrid.ops import conv1d as _conv
 from hybrid.ops import ssd as _ssd
 from hybrid.ops.conv1d import causal_conv1d
 
-__all__ = ["causal_conv1d", "ssd_scan", "ssd_step", "kernels_available"]
+__all__ = ["causal_conv1d", "conv_step", "ssd_scan", "ssd_step"]
 
 
 @functools.cache
 def _mamba_ssm():
+    """(mamba_chunk_scan_combined, selective_state_update) from mamba-ssm, or None."""
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
@@ -28,27 +29,47 @@ def _mamba_ssm():
     return mamba_chunk_scan_combined, selective_state_update
 
 
-def kernels_available(t: torch.Tensor) -> bool:
-    """True when `t` is on CUDA and mamba-ssm's kernels can be imported."""
-    return t.is_cuda and _mamba_ssm() is not None
+@functools.cache
+def _causal_conv1d():
+    """causal_conv1d_update from causal-conv1d, or None."""
+    try:
+        from causal_conv1d import causal_conv1d_update
+    except Exception:
+        return None
+    return causal_conv1d_update
+
+
+def _kernel(t, loader):
+    """What `loader` provides when `t` is on CUDA and the package imports; None means: use PyTorch."""
+    return loader() if t.is_cuda else None
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size, state=None):
     """Chunked SSD scan; shapes as in `hybrid.ops.ssd.ssd_scan`. Returns (y fp32, final state fp32)."""
-    if kernels_available(x):
-        scan, _ = _mamba_ssm()
-        init = None if state is None else state.float()
-        y, final = scan(x, dt, A.float(), B, C, chunk_size, initial_states=init, return_final_states=True)
-        return y.float(), final.float()
-    return _ssd.ssd_scan(x, dt, A, B, C, chunk_size, state)
+    kernels = _kernel(x, _mamba_ssm)
+    if kernels is None:
+        return _ssd.ssd_scan(x, dt, A, B, C, chunk_size, state)
+    init = None if state is None else state.float()
+    y, final = kernels[0](x.contiguous(), dt.contiguous(), A.float(), B.contiguous(), C.contiguous(), chunk_size,
+                          initial_states=init, return_final_states=True)
+    return y.float(), final.float()
 
 
 def ssd_step(x, dt, A, B, C, state):
     """One recurrent step updating `state` in place; shapes as in `hybrid.ops.ssd.ssd_step`."""
-    if kernels_available(x):
-        _, step = _mamba_ssm()
-        h, p = x.shape[1:]
-        n = B.shape[-1]
-        y = step(state, x, dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n), B, C)
-        return y.float()
-    return _ssd.ssd_step(x, dt, A, B, C, state)
+    kernels = _kernel(x, _mamba_ssm)
+    if kernels is None:
+        return _ssd.ssd_step(x, dt, A, B, C, state)
+    h, p = x.shape[1:]
+    n = B.shape[-1]
+    y = kernels[1](state, x, dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n), B, C)
+    return y.float()
+
+
+def conv_step(x, window, weight, bias):
+    """One decode step of the causal conv + SiLU, rolling `window` in place; shapes as in
+    `hybrid.ops.conv1d.causal_conv1d_update`."""
+    kernel = _kernel(x, _causal_conv1d)
+    if kernel is None:
+        return _conv.causal_conv1d_update(x, window, weight, bias)
+    return kernel(x[:, :, None], window, weight, bias, activation="silu")[:, :, 0]

@@ -27,3 +27,19 @@ def causal_conv1d(
     xpad = torch.cat([window.to(x.dtype), x], dim=-1)
     out = F.conv1d(xpad, weight.unsqueeze(1).to(x.dtype), None if bias is None else bias.to(x.dtype), groups=x.shape[1])
     return F.silu(out), xpad
+
+
+def causal_conv1d_update(x: torch.Tensor, window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One decode step of the causal conv + SiLU, rolling `window` in place.
+
+    Args:
+        x: [b, c] the new input; window: [b, c, K-1] (updated in place); weight: [c, K]; bias: [c] or None.
+    Returns:
+        out [b, c] in x's dtype.
+    """
+    full = torch.cat([window, x[:, :, None].to(window.dtype)], dim=-1)  # [b, c, K]
+    out = (full * weight.to(full.dtype)).sum(-1)
+    if bias is not None:
+        out = out + bias.to(out.dtype)
+    window.copy_(full[:, :, 1:])
+    return F.silu(out).to(x.dtype)
