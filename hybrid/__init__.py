@@ -11,9 +11,10 @@ from hybrid.config import ConfigError, HybridConfig
 from hybrid.generate import Completion, generate
 from hybrid.loading import load, load_model
 from hybrid.model import HybridForCausalLM
+from hybrid.saving import save_checkpoint
 from hybrid.tokenizer import Tokenizer
 
 __all__ = [
     "CheckpointError", "Completion", "ConfigError", "HybridCache", "HybridConfig", "HybridForCausalLM",
-    "Tokenizer", "generate", "load", "load_model",
+    "Tokenizer", "generate", "load", "load_model", "save_checkpoint",
 ]

@@ -1,7 +1,7 @@
 """The inference state of a batch: per layer, a KV cache (attention) or a conv window and SSM state (Mamba).
 
 One object per batch. Every forward on it appends its tokens, whatever their number, so prefill, chunked
-prefill, decode and the verification of several draft tokens are one code path (cases.md case 6).
+prefill, decode and the verification of several draft tokens are one code path (tests/test_cases.py, case 6).
 
 Padding: a forward may carry a `[B, T]` mask of real tokens. Masked positions are "not there": they never
 reach a Mamba state (dt = 0, the conv window skips them) and attention never attends to them. The cache

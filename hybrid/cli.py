@@ -27,11 +27,18 @@ def _generate(args) -> int:
             print(f"error: no MODEL given and the default checkpoint {DEFAULT_CHECKPOINT} is missing", file=sys.stderr)
             return 2
         args.model = str(DEFAULT_CHECKPOINT)
-    if args.threads:
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
+    if not prompt:
+        print("error: the prompt is empty", file=sys.stderr)
+        return 2
+    if not args.temperature and (args.top_k is not None or args.top_p is not None or args.seed is not None):
+        print("note: --top-k, --top-p and --seed only matter with --temperature > 0; decoding greedily", file=sys.stderr)
+    if args.enable_thinking is not None and not args.chat:
+        print("note: --enable-thinking only matters with --chat", file=sys.stderr)
     model, tokenizer = load(args.model, dtype=args.dtype)
 
     def stream(row: int, text: str) -> None:
@@ -45,15 +52,17 @@ def _generate(args) -> int:
     summary = {
         "prompt_tokens": c.prompt_tokens, "generated_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
         "prefill_seconds": round(c.prefill_seconds, 4), "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 2),
-        "decode_seconds": round(c.decode_seconds, 4), "decode_tokens_per_s": round(c.decode_tokens_per_s, 2),
+        "decode_seconds": round(c.decode_seconds, 4),
+        "decode_tokens_per_s": None if c.decode_tokens_per_s is None else round(c.decode_tokens_per_s, 2),
     }
     if args.json:
         print(json.dumps({"text": c.text, "token_ids": c.token_ids, **summary}))
     else:
         sys.stdout.write("\n")
+        decode = "-" if c.decode_tokens_per_s is None else f"{summary['decode_tokens_per_s']} tok/s"
         print(
             f"[{c.prompt_tokens} prompt tokens: prefill {summary['prefill_tokens_per_s']} tok/s | "
-            f"{len(c.token_ids)} generated: decode {summary['decode_tokens_per_s']} tok/s | finish: {c.finish_reason}]",
+            f"{len(c.token_ids)} generated: decode {decode} | finish: {c.finish_reason}]",
             file=sys.stderr,
         )
     return 0
@@ -80,8 +89,8 @@ def _info(args) -> int:
         return 0
     print(f"pattern        {report['pattern']}  ({len(report['pattern'])} layers: "
           + ", ".join(f"{n} {k}" for k, n in report["layers"].items() if n) + ")")
-    print(f"parameters     {report['parameters']:,} total, {report['active_parameters_per_token']:,} active per token "
-          f"(+ {report['embedding_parameters']:,} embedding)")
+    print(f"parameters     {report['parameters']:,} in all (embedding {report['embedding_parameters']:,}); "
+          f"{report['active_parameters_per_token']:,} active per token besides the embedding")
     print("weight bytes   " + ", ".join(f"{k}: {v:,}" for k, v in report["bytes_by_dtype"].items())
           + f"  (total {report['weight_bytes'] / 2**30:.2f} GiB, {report['dtype']})")
     print(f"KV cache       {report['kv_cache_bytes_per_token']:,} bytes per token")
@@ -92,27 +101,43 @@ def _info(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybrid", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
-    g = sub.add_parser("generate", help="generate text from a checkpoint (streams to stdout)")
+
+def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = version("hybrid-moe")
+    except PackageNotFoundError:
+        v = "unknown"
+    parser = argparse.ArgumentParser(prog="hybrid", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"hybrid {v}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    g = sub.add_parser("generate", help="generate text from a checkpoint (streams to stdout)", formatter_class=fmt)
     g.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub repo id (default: shipped checkpoint)")
-    g.add_argument("--prompt", required=True, help="prompt text, or '-' to read it from stdin")
+    g.add_argument("--prompt", required=True, help="prompt text, or '-' to read it from stdin (one final newline dropped)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--enable-thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="passed to the chat template (Nemotron 3 reasoning switch)")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--top-k", type=_positive_int, default=None, help="sample from the k most likely tokens")
+    g.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with probability >= p")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the checkpoint's dtype")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=_generate)
 
-    i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json")
+    i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json",
+                       formatter_class=fmt)
     i.add_argument("model", help="checkpoint directory, config.json file, or hub repo id")
     i.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the config's dtype")
     i.add_argument("--json", action="store_true")

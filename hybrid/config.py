@@ -1,6 +1,6 @@
 """The model configuration: one dataclass that reads both published `config.json` dialects.
 
-Dialects (see `shared/formats.md`):
+Dialects:
 - NVIDIA releases: `hybrid_override_pattern` (a string of `M` Mamba-2, `*` attention, `E` MoE, `-` dense
   MLP), legacy names `mamba_n_groups`, `mamba_d_conv`, `mamba_chunk_size`, `mamba_dt_limit`, ...
 - transformers 5 `save_pretrained`: `layers_block_type` (a list of `linear_attention`, `full_attention`,
@@ -47,6 +47,25 @@ _LEGACY_NAMES = {
 
 _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
+# Fields that fix tensor shapes: a config.json that uses a layer kind must state them (no silent defaults).
+_REQUIRED = {
+    "": ("vocab_size", "hidden_size"),
+    MAMBA: ("mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups"),
+    ATTENTION: ("num_attention_heads", "num_key_value_heads", "head_dim"),
+    MOE: ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"),
+    MLP: ("intermediate_size",),
+}
+_INT_FIELDS = {
+    "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+    "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel", "chunk_size", "expand",
+    "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+    "n_shared_experts", "n_group", "topk_group", "num_nextn_predict_layers", "max_position_embeddings",
+}
+_FLOAT_FIELDS = {"layer_norm_epsilon", "routed_scaling_factor", "time_step_min", "time_step_max", "time_step_floor",
+                 "initializer_range"}
+_BOOL_FIELDS = {"tie_word_embeddings", "attention_bias", "mlp_bias", "use_conv_bias", "use_bias", "norm_topk_prob",
+                "rescale_prenorm_residual"}
+
 
 class ConfigError(ValueError):
     """A config.json that cannot describe a valid model. The message names the field."""
@@ -80,6 +99,22 @@ def block_types_to_pattern(block_types: list[str], field_name: str) -> str:
             )
         chars.append(_BLOCK_TYPE_TO_CHAR[name])
     return "".join(chars)
+
+
+def _check_type(name: str, value: Any) -> None:
+    """Raise ConfigError naming `name` when a JSON value has the wrong type (e.g. "32" for 32)."""
+    if name in _INT_FIELDS and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ConfigError(f"`{name}` must be an integer, got {value!r}")
+    if name == "moe_latent_size" and value is not None and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ConfigError(f"`{name}` must be an integer or null, got {value!r}")
+    if name in _FLOAT_FIELDS and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        raise ConfigError(f"`{name}` must be a number, got {value!r}")
+    if name in _BOOL_FIELDS and not isinstance(value, bool):
+        raise ConfigError(f"`{name}` must be true or false, got {value!r}")
+    if name == "time_step_limit" and not (
+        isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, (int, float)) for v in value)
+    ):
+        raise ConfigError(f"`time_step_limit` must be [low, high], got {value!r}")
 
 
 @dataclass
@@ -117,7 +152,7 @@ class HybridConfig:
     use_bias: bool = False
     mamba_hidden_act: str = "silu"
     time_step_limit: tuple[float, float] = (0.0, math.inf)
-    time_step_min: float = 0.001  # initialisation only: never a clamp (cases.md, case 1)
+    time_step_min: float = 0.001  # initialisation only: never a clamp (tests/test_cases.py, case 1)
     time_step_max: float = 0.1  # initialisation only
     time_step_floor: float = 1e-4  # initialisation only
     mamba_ssm_cache_dtype: str = "float32"
@@ -183,10 +218,22 @@ class HybridConfig:
 
         if "dtype" in d and "torch_dtype" not in d:
             d["torch_dtype"] = d.pop("dtype")
+        if "attention_head_dim" in d:  # early Nemotron-H configs
+            d.setdefault("head_dim", d.pop("attention_head_dim"))
+        kinds = set(pattern) | (set(mtp_pattern) if d.get("num_nextn_predict_layers") else set())
+        for kind, names in _REQUIRED.items():
+            if kind and kind not in kinds:
+                continue
+            missing = [n for n in names if n not in d]
+            if missing:
+                what = f"layers of kind {kind!r}" if kind else "every model"
+                raise ConfigError(f"config lacks {', '.join(f'`{n}`' for n in missing)}, required by {what}")
         num_hidden_layers = d.pop("num_hidden_layers", None)
 
         known = {f.name for f in dataclasses.fields(cls)} - {"extra", "hybrid_override_pattern", "mtp_pattern"}
         kwargs = {k: d.pop(k) for k in list(d) if k in known}
+        for k, v in kwargs.items():
+            _check_type(k, v)
         if kwargs.get("moe_latent_size") == 0:
             kwargs["moe_latent_size"] = None
         if "time_step_limit" in kwargs:

@@ -2,7 +2,7 @@
 
 One forward path serves everything: the prompt is prefilled (in chunks of `prefill_chunk_size` tokens, so
 attention memory stays bounded on long prompts) into a `HybridCache`, then each step feeds one token per
-row. A left-padded row gives the same tokens as the prompt run alone (cases.md case 4).
+row. A left-padded row gives the same tokens as the prompt run alone (tests/test_cases.py, case 4).
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ class Completion:
         return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("inf")
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        steps = max(len(self.token_ids) - 1, 0)
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second of the decode steps (the first token comes from the prefill); None if none ran."""
+        steps = len(self.token_ids) - 1
+        if steps < 1:
+            return None
         return steps / self.decode_seconds if self.decode_seconds > 0 else float("inf")
 
 

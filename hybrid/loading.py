@@ -3,7 +3,7 @@
 Published names map one to one onto our modules, except the routed experts, which checkpoints store one
 tensor per expert (`...mixer.experts.{j}.up_proj.weight [I, L]`) and we hold stacked
 (`...mixer.experts.up_proj [E, I, L]`); an already stacked tensor under our name is accepted too.
-Loading is strict (cases.md cases 10 and 11): a tensor the model needs and the files lack, a tensor in
+Loading is strict (tests/test_cases.py, cases 10 and 11): a tensor the model needs and the files lack, a tensor in
 the files the model does not use, or a shape that differs from the config's is an error naming it. With
 `tie_word_embeddings` the head is the embedding matrix, and an `lm_head.weight` in the files must equal it.
 

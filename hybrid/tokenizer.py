@@ -5,7 +5,7 @@
   rendered in Jinja's immutable sandbox, as transformers does (`raise_exception`, `strftime_now`, a
   `tojson` that keeps non-ASCII text).
 - Stop ids are the union of config.json's, generation_config.json's and the tokenizer's eos ids: Nemotron 3
-  chat models end turns with `<|im_end|>` (the tokenizer's eos) while config.json says 2 (formats.md).
+  chat models end turns with `<|im_end|>` (the tokenizer's eos) while config.json says 2.
 """
 
 from __future__ import annotations

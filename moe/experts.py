@@ -16,8 +16,9 @@ from hybrid.layers.mlp import relu2
 class ExpertBank(nn.Module):
     """Shapes: x [T, L], weights [T, k] fp32, ids [T, k] -> [T, L] in x's dtype (summed in fp32).
 
-    Tokens are grouped by expert (a stable sort of the flattened ids); each expert that received tokens
-    runs one matmul pair over its tokens; experts nobody chose are never touched.
+    The (token, expert) pairs are sorted by expert (a stable sort of the flattened ids) and gathered once;
+    each expert that received tokens runs one matmul pair over its contiguous slice; experts nobody chose
+    are never touched. Weighted outputs are summed per token in fp32.
     """
 
     def __init__(self, n_experts: int, in_features: int, intermediate_size: int):
@@ -31,14 +32,8 @@ class ExpertBank(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
         token_of = order // k
-        weight_of = weights.reshape(-1)[order]
-        out = torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start : start + count]
-            h = relu2(x[rows] @ self.up_proj[expert].T) @ self.down_proj[expert].T
-            out.index_add_(0, rows, h.float() * weight_of[start : start + count, None])
-            start += count
-        return out.to(x.dtype)
+        # one gather of the (token, expert) pairs sorted by expert, one contiguous slice per expert
+        parts = torch.split(x[token_of], counts)
+        ys = [relu2(part @ self.up_proj[e].T) @ self.down_proj[e].T for e, part in enumerate(parts) if counts[e]]
+        y = torch.cat(ys).float() * weights.reshape(-1)[order, None]
+        return torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device).index_add_(0, token_of, y).to(x.dtype)

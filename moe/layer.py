@@ -4,7 +4,7 @@
     routed = fc2_latent_proj(experts(fc1_latent_proj(x), w, ids))     (latent projections only with moe_latent_size)
     out = routed + shared_experts(x)                                   (the shared expert sees the full x)
 
-Reference: transformers `NemotronHMoE`, `shared/semantics.md`.
+Reference: transformers `NemotronHMoE`, vLLM `NemotronHMoE`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ DeepSeek-V3 style routing as used by Nemotron 3 (reference: transformers `Nemotr
 `grouped_topk`). Per token, in fp32:
 
     scores = sigmoid(x @ gate.weight.T)                      [T, E]
-    choice = scores + e_score_correction_bias                 selection only (cases.md case 9)
+    choice = scores + e_score_correction_bias                 selection only (tests/test_cases.py, case 9)
     groups: score each of `n_group` groups by the sum of its top-2 `choice`; keep `topk_group` groups,
             set the others to -inf; then take the top `num_experts_per_tok` of `choice`
     weights = scores[chosen] (unbiased), / their sum (+1e-20) if `norm_topk_prob`, * routed_scaling_factor

@@ -68,3 +68,19 @@ def test_errors_are_one_clear_line(tmp_path):
     (tmp_path / "config.json").write_text("{")
     r = run("info", str(tmp_path))
     assert r.returncode == 2 and "not valid JSON" in r.stderr
+
+
+def test_cli_user_errors(ckpt):
+    r = run("generate", str(ckpt), "--prompt", "")
+    assert r.returncode == 2 and "the prompt is empty" in r.stderr
+    r = run("generate", str(ckpt), "--prompt", "x", "--threads", "-1")
+    assert r.returncode == 2 and "--threads: must be a positive integer" in r.stderr
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.startswith("hybrid ")
+
+
+def test_one_token_has_no_decode_speed(ckpt):
+    r = run("generate", str(ckpt), "--prompt", "hello", "--max-new-tokens", "1", "--top-k", "3")
+    assert r.returncode == 0, r.stderr
+    assert "1 generated: decode - |" in r.stderr
+    assert "only matter with --temperature > 0" in r.stderr

@@ -14,6 +14,11 @@ NANO = Path(__file__).resolve().parents[1] / "checkpoints" / "configs" / "nemotr
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
 
+SIZES = dict(vocab_size=64, hidden_size=16, mamba_num_heads=4, mamba_head_dim=4, ssm_state_size=4, n_groups=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=4, n_routed_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=8, intermediate_size=8)
+
+
 def nano_dict() -> dict:
     return json.loads(NANO.read_text())
 
@@ -42,7 +47,7 @@ def test_transformers5_dialect_with_encoded_infinity():
 
 
 def test_legacy_block_type_names():
-    c = HybridConfig.from_dict({"layers_block_type": ["mamba", "attention", "moe", "mlp"]})
+    c = HybridConfig.from_dict({"layers_block_type": ["mamba", "attention", "moe", "mlp"], **SIZES})
     assert c.hybrid_override_pattern == "M*E-"
 
 
@@ -60,10 +65,10 @@ def test_round_trip_and_transformers_reads_our_dialect(tmp_path):
 
 def test_mtp_fields():
     c = HybridConfig.from_dict({"hybrid_override_pattern": "M*E", "num_nextn_predict_layers": 1,
-                                "mtp_hybrid_override_pattern": "*E", "moe_latent_size": 16})
+                                "mtp_hybrid_override_pattern": "*E", "moe_latent_size": 16, **SIZES})
     assert (c.mtp_pattern, c.num_nextn_predict_layers, c.moe_latent_size) == ("*E", 1, 16)
     c = HybridConfig.from_dict({"layers_block_type": ["moe"], "num_nextn_predict_layers": 1,
-                                "mtp_layers_block_type": ["attention", "moe"]})
+                                "mtp_layers_block_type": ["attention", "moe"], **SIZES})
     assert c.mtp_pattern == "*E"
 
 
@@ -79,9 +84,32 @@ def test_mtp_fields():
     ({"time_step_limit": [0.5, 0.1]}, "time_step_limit"),
 ])
 def test_validation_names_the_field(change, field):
-    raw = {"hybrid_override_pattern": "M*E-", "n_routed_experts": 8, "num_experts_per_tok": 2, **change}
+    raw = {"hybrid_override_pattern": "M*E-", **SIZES, **change}
     with pytest.raises(ConfigError, match=field):
         HybridConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", "32", "`hidden_size` must be an integer, got '32'"),
+    ("tie_word_embeddings", "yes", "`tie_word_embeddings` must be true or false"),
+    ("routed_scaling_factor", None, "`routed_scaling_factor` must be a number"),
+    ("time_step_limit", [0.1], "`time_step_limit` must be \\[low, high\\]"),
+])
+def test_wrong_types_are_named(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        HybridConfig.from_dict({"hybrid_override_pattern": "M*E-", **SIZES, field: value})
+
+
+@pytest.mark.parametrize("pattern, drop", [("M", "ssm_state_size"), ("*", "head_dim"), ("E", "moe_intermediate_size"),
+                                           ("-", "intermediate_size"), ("-", "hidden_size")])
+def test_shape_fields_are_required(pattern, drop):
+    raw = {"hybrid_override_pattern": pattern, **SIZES}
+    del raw[drop]
+    with pytest.raises(ConfigError, match=f"lacks `{drop}`"):
+        HybridConfig.from_dict(raw)
+    # a field only another layer kind needs may be absent
+    if pattern == "-" and drop != "hidden_size":
+        HybridConfig.from_dict({"hybrid_override_pattern": "M", **{k: v for k, v in SIZES.items() if k != drop}})
 
 
 def test_unknown_block_type_is_named():

@@ -1,7 +1,7 @@
 """The Mamba-2 mixer (`M` layers): in_proj, causal conv, selective SSD scan, gated grouped RMSNorm, out_proj.
 
 Dao & Gu 2024, "Transformers are SSMs" (Mamba-2), section 7.1 and Listing 1; reference implementations:
-mamba-ssm `Mamba2`, transformers `NemotronHMamba2Mixer`. Forward, per `shared/semantics.md`:
+mamba-ssm `Mamba2`, transformers `NemotronHMamba2Mixer`. Forward:
 
 1. zxbcdt = in_proj(x), split as [z: d_inner | xBC: conv_dim | dt: nh]
 2. xBC = silu(causal_conv1d(xBC)) continuing the cached conv window; split as [x: d_inner | B | C]
@@ -10,7 +10,7 @@ mamba-ssm `Mamba2`, transformers `NemotronHMamba2Mixer`. Forward, per `shared/se
    recurrent step for a single token on a cache)
 5. out = out_proj(gated_grouped_rmsnorm(y, z))
 
-The clamp uses `time_step_limit` only, on every path (cases.md case 1). Padded positions get dt = 0 (no
+The clamp uses `time_step_limit` only, on every path (tests/test_cases.py, case 1). Padded positions get dt = 0 (no
 decay, no input) and are skipped by the conv window, so they leave the state untouched (cases 4 and 5).
 """
 

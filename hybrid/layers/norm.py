@@ -32,7 +32,7 @@ class GatedRMSNorm(nn.Module):
     """Grouped gated RMSNorm: `y = rmsnorm_per_group(x * silu(z)) * weight`, the gate applied before the norm.
 
     The last dim (`d_inner`) is split into `n_groups` contiguous slices of `d_inner / n_groups`, each
-    normalised on its own (cases.md, case 3).
+    normalised on its own (tests/test_cases.py, case 3).
 
     Shapes: x [..., d_inner] (fp32 from the scan), z [..., d_inner] -> [..., d_inner] in `out_dtype`.
     """

@@ -4,7 +4,7 @@ The plain PyTorch versions (`ssd.py`, `conv1d.py`) are the specification and wha
 CUDA tensor, when the `mamba-ssm` / `causal-conv1d` packages (extra `cuda`) are importable, the SSD scan,
 the recurrent step and the decode conv step use their kernels instead. The scan kernels take the already
 processed `dt` (softplus, clamp and padding mask applied by the mixer), so every path shares one
-definition of `dt` (cases.md case 1).
+definition of `dt` (tests/test_cases.py, case 1).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Glossary (Mamba-2 paper, Dao & Gu 2024): b batch, l / s positions (target / source) inside a chunk, h heads,
 g groups of B and C, r = h / g heads per group, p head dim, n state size. Head `h` reads group
-`h // r` (contiguous groups, cases.md case 2).
+`h // r` (contiguous groups; tests/test_cases.py, case 2).
 
 Recurrence per head (state S [p, n], fp32):
     S_t = exp(dt_t * A) * S_{t-1} + dt_t * x_t (outer) B_t        y_t = S_t . C_t       (paper eq. 1-2)
@@ -10,7 +10,7 @@ The chunked form (paper section 6, Listing 1) computes a chunk of `l` positions 
 quadratic ("attention-like") term plus the contribution of the state entering the chunk, and the state
 leaving it. `ssd_scan` streams chunk by chunk, carrying the state, so memory grows with chunk_size and
 not with the sequence length. Every decay exponent is a sum of non-positive terms `dt * A`, formed as a
-masked cumulative sum and clamped at 0, so no rounding can make `exp` overflow (cases.md case 7).
+masked cumulative sum and clamped at 0, so no rounding can make `exp` overflow (tests/test_cases.py, case 7).
 
 The `D * x` skip term is not included here; the mixer adds it.
 """
@@ -97,10 +97,11 @@ def ssd_scan(
     state = x.new_zeros(b, h, p, n, dtype=torch.float32) if state is None else state.float()
     x, dt, A, B, C = x.float(), dt.float(), A.float(), B.float(), C.float()
     ys = []
-    for start in range(0, T, chunk_size):
-        end = min(start + chunk_size, T)
-        y, state = ssd_chunk(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], state)
-        ys.append(y)
+    with torch.autocast(x.device.type, enabled=False):  # the scan is fp32 even inside a bf16 autocast region
+        for start in range(0, T, chunk_size):
+            end = min(start + chunk_size, T)
+            y, state = ssd_chunk(x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], state)
+            ys.append(y)
     y = torch.cat(ys, dim=1) if ys else x.new_zeros(b, 0, h, p)
     return y, state
 
