@@ -87,7 +87,9 @@ class MTP(nn.Module):
     """The MTP block (`mtp.layers.*`, pattern `mtp_pattern`), used only to draft tokens.
 
     `h = eh_proj(cat([enorm(embed(next_tokens)), hnorm(prev_hidden)], -1))`, then the pre-norm layers, then
-    `final_layernorm`; the caller applies the shared `lm_head` (shared/semantics.md).
+    `final_layernorm`; the caller applies the shared `lm_head`. `prev_hidden` is the
+    main model's output after `norm_f` (the hidden state its `lm_head` reads), as vLLM's NemotronH MTP
+    receives it; from hidden state t and token t+1 the block predicts token t+2.
     """
 
     def __init__(self, config: HybridConfig):
@@ -100,6 +102,15 @@ class MTP(nn.Module):
         self.layers = nn.ModuleList(
             MTPLayer(kind, config, first=j == 0, last=j == n - 1) for j, kind in enumerate(config.mtp_pattern)
         )
+
+    def forward(self, prev_hidden: torch.Tensor, next_embeds: torch.Tensor, ctx: StepContext | None = None,
+                states: list | None = None) -> torch.Tensor:
+        """prev_hidden, next_embeds: [B, T, H] -> [B, T, H] after `final_layernorm` (apply `lm_head` next)."""
+        first = self.layers[0]
+        h = first.eh_proj(torch.cat([first.enorm(next_embeds), first.hnorm(prev_hidden)], dim=-1))
+        for j, layer in enumerate(self.layers):
+            h = layer(h, ctx, states[j] if states is not None else None)
+        return self.layers[-1].final_layernorm(h)
 
 
 class HybridForCausalLM(nn.Module):
@@ -151,6 +162,17 @@ class HybridForCausalLM(nn.Module):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         return self.lm_head(self.backbone.norm_f(h)).float()
+
+    def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the token after `next_ids` from the MTP block, without a cache (training, tests).
+
+        hidden: [B, T, H] the main model's normalised output (`norm_f(hidden_states(...))`);
+        next_ids: [B, T] the token that follows each position. Returns [B, T, V] float32.
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP block (num_nextn_predict_layers is 0)")
+        out = self.mtp(hidden, self.backbone.embeddings(next_ids), StepContext(past=0, mask=None, key_mask=None))
+        return self.lm_head(out).float()
 
     def hidden_states(
         self, input_ids: torch.Tensor, cache: HybridCache | None = None, attention_mask: torch.Tensor | None = None

@@ -1,0 +1,1 @@
+"""Long-context recall evaluation: task generators (and, later, scoring and the runner)."""
