@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtp-weight", type=float, default=0.3)
     p.add_argument("--balance-rate", type=float, default=5e-3)
     p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--eval-samples", type=int, default=20, help="prompts per task in the final evaluation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -293,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     final = {"val_loss": validation_loss(model, val, val_batches)}
     for task in TASK_WEIGHTS:
-        final[f"{task}_acc@{args.seq_len - 16}"] = answer_accuracy(model, tok, task, args.seq_len - 16, 20)
+        final[f"{task}_acc@{args.seq_len - 16}"] = answer_accuracy(model, tok, task, args.seq_len - 16, args.eval_samples)
     summary = {"preset": args.preset, "args": vars(args), "parameters": n_params, "steps": step, "tokens": tokens,
                "train_seconds": round(time.time() - start, 1), "final_train_loss": history[-1]["loss"] if history else None,
                "final": final}
