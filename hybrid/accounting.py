@@ -1,6 +1,9 @@
 """What a configuration costs: parameters (total and active per token), bytes per dtype, cache sizes.
 
 Computed on a model built on the meta device, so a `config.json` alone is enough (no weights).
+With a quantization config (a quantized checkpoint's, or a planned one: `hybrid info --format nvfp4`),
+the affected modules are swapped for packed ones first, so bytes are the packed sizes and
+`bytes_by_format` splits them by storage format (a packed weight's scales count with its format).
 "Active" counts every weight a token's forward reads: everything except the routed experts, plus
 `num_experts_per_tok` of them per MoE layer; the embedding table is reported apart, since a token reads
 one row of it. The MTP block (if any) is counted apart and left out of the totals.
@@ -14,23 +17,46 @@ import torch
 
 from hybrid.config import ATTENTION, LAYER_CHARS, MAMBA, HybridConfig
 from hybrid.loading import build_model
+from hybrid.quantized_loading import apply_quant_config
 
 _KIND_NAMES = {"M": "mamba2", "*": "attention", "E": "moe", "-": "mlp"}
 
 
-def describe(config: HybridConfig, dtype: torch.dtype) -> dict:
-    """A JSON-ready summary of `config` when loaded in `dtype` (see the module docstring)."""
+def _packed(model) -> dict[str, tuple[str, int]]:
+    """{tensor name: (format label, parameters it stands for)} of the tensors held by packed modules: the
+    data tensor stands for the whole [E?, out, in] weight, the scales for none."""
+    out = {}
+    for mname, module in model.named_modules():
+        fmt = getattr(module, "fmt", None)
+        if fmt is not None and getattr(module, "keeps_dtypes", False):
+            n = (module.n_experts or 1) * module.out_features * module.in_features
+            out.update({f"{mname}.{b}": (fmt.label, n if b == fmt.names["data"] else 0) for b in module._buffers})
+    return out
+
+
+def describe(config: HybridConfig, dtype: torch.dtype, quant=None) -> dict:
+    """A JSON-ready summary of `config` when loaded in `dtype` (see the module docstring).
+
+    quant: a `moe.quant.config.QuantConfig` to apply (packed sizes), or None.
+    """
     model = build_model(config, dtype, device="meta")
+    if quant is not None:
+        apply_quant_config(model, quant)
+    packed = _packed(model)
     total = active = embedding = mtp = 0
     nbytes: Counter[str] = Counter()
+    by_format: Counter[str] = Counter()
     seen: set[int] = set()
     k_over_e = config.num_experts_per_tok / config.n_routed_experts
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if id(t) in seen:
             continue
         seen.add(id(t))
-        n = t.numel()
-        nbytes[str(t.dtype).removeprefix("torch.")] += n * t.element_size()
+        b = t.numel() * t.element_size()
+        dtype_name = str(t.dtype).removeprefix("torch.")
+        label, n = packed.get(name, (dtype_name, t.numel()))
+        nbytes[dtype_name] += b
+        by_format[label] += b
         if name.startswith("mtp."):
             mtp += n
             continue
@@ -58,8 +84,26 @@ def describe(config: HybridConfig, dtype: torch.dtype) -> dict:
         "active_parameters_per_token": round(active),
         "embedding_parameters": embedding,
         "bytes_by_dtype": dict(sorted(nbytes.items())),
+        "bytes_by_format": dict(sorted(by_format.items())),
+        "quantization": None if quant is None else {"method": quant.method, "source": quant.source,
+                                                    "formats": sorted(quant.kinds()), "kv_cache": quant.kv_cache},
         "weight_bytes": sum(nbytes.values()),
         "kv_cache_bytes_per_token": kv_per_token,
         "mamba_state_bytes_per_sequence": n_mamba * (conv_bytes + ssm_bytes),
         "mtp": {"layers": config.mtp_pattern, "parameters": mtp} if config.num_nextn_predict_layers else None,
     }
+
+
+def resident_bytes(model) -> int:
+    """Bytes of the distinct tensor storages a loaded model holds: parameters, buffers, and any tensor kept
+    as a plain module attribute (so a cached dequantized weight would be counted too)."""
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + list(model.buffers())
+    for m in model.modules():
+        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total

@@ -1,8 +1,9 @@
-"""The `hybrid` command: `generate` text from a checkpoint, `info` about a checkpoint or config.
+"""The `hybrid` command: `generate` text from a checkpoint, `info` about a checkpoint or config, `quantize`.
 
     hybrid generate [MODEL] --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-k K]
-                    [--top-p P] [--seed S] [--dtype D] [--json]
-    hybrid info MODEL [--json]
+                    [--top-p P] [--seed S] [--dtype D] [--act-quant] [--json]
+    hybrid info MODEL [--format fp8|nvfp4|mxfp4] [--json]
+    hybrid quantize SRC DST --format fp8|nvfp4|mxfp4 [--exclude PATTERN ...] [--calibration-samples N]
 
 MODEL is a checkpoint directory or a hub repo id; `generate` without MODEL uses the default checkpoint in
 `checkpoints/`. `info` also accepts a bare config.json (no weights needed).
@@ -39,7 +40,7 @@ def _generate(args) -> int:
         print("note: --top-k, --top-p and --seed only matter with --temperature > 0; decoding greedily", file=sys.stderr)
     if args.enable_thinking is not None and not args.chat:
         print("note: --enable-thinking only matters with --chat", file=sys.stderr)
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant)
 
     def stream(row: int, text: str) -> None:
         sys.stdout.write(text)
@@ -83,7 +84,16 @@ def _info(args) -> int:
 
         config_path = resolve_checkpoint(args.model) / "config.json"
     config = HybridConfig.from_file(config_path)
-    report = describe(config, parse_dtype(args.dtype, config))
+    quant = None
+    if args.format is not None:
+        from hybrid.quantize import plan
+
+        quant = plan(config, args.format)
+    else:
+        from hybrid.quantized_loading import read_quant_config
+
+        quant = read_quant_config(config_path.parent)
+    report = describe(config, parse_dtype(args.dtype, config), quant)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -93,11 +103,48 @@ def _info(args) -> int:
           f"{report['active_parameters_per_token']:,} active per token besides the embedding")
     print("weight bytes   " + ", ".join(f"{k}: {v:,}" for k, v in report["bytes_by_dtype"].items())
           + f"  (total {report['weight_bytes'] / 2**30:.2f} GiB, {report['dtype']})")
+    if report["quantization"]:
+        q = report["quantization"]
+        print("by format      " + ", ".join(f"{k}: {v:,}" for k, v in report["bytes_by_format"].items())
+              + f"  ({q['method']}, {q['source']}" + (f", KV cache {q['kv_cache']}" if q["kv_cache"] else "") + ")")
     print(f"KV cache       {report['kv_cache_bytes_per_token']:,} bytes per token")
     print(f"Mamba state    {report['mamba_state_bytes_per_sequence']:,} bytes per sequence "
           f"({report['mamba_state_bytes_per_sequence'] / 2**20:.1f} MiB, constant in length)")
     if report["mtp"]:
         print(f"MTP            layers {report['mtp']['layers']!r}, {report['mtp']['parameters']:,} parameters")
+    return 0
+
+
+def _quantize(args) -> int:
+    import shutil
+
+    import torch
+
+    from hybrid.calibration import calibration_batches
+    from hybrid.checkpoint_files import resolve_checkpoint
+    from hybrid.loading import load
+    from hybrid.quantize import quantize_model
+    from hybrid.saving import save_checkpoint
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.src, dtype=args.dtype)
+    if getattr(model, "quantization", None) is not None:
+        print(f"error: {args.src} is already quantized ({model.quantization.source})", file=sys.stderr)
+        return 2
+    batches = None
+    if args.format != "mxfp4" and args.calibration_samples:
+        texts = [Path(args.calibration_file).read_text()] if args.calibration_file else None
+        batches = calibration_batches(tokenizer, args.calibration_samples, args.calibration_length, texts)
+    quantize_model(model, args.format, exclude=args.exclude, calibration=batches)
+    dst = Path(args.dst)
+    save_checkpoint(model, dst, max_shard_bytes=args.max_shard_bytes)
+    src = resolve_checkpoint(args.src)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / name).exists():
+            shutil.copy2(src / name, dst / name)
+    print(f"wrote {dst} ({args.format}, {len(model.quantization.exclude)} exclusion patterns, "
+          f"{len(batches or [])} calibration samples)", file=sys.stderr)
     return 0
 
 
@@ -133,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the checkpoint's dtype")
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--act-quant", action="store_true",
+                   help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=_generate)
 
@@ -140,8 +189,29 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     i.add_argument("model", help="checkpoint directory, config.json file, or hub repo id")
     i.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the config's dtype")
+    i.add_argument("--format", choices=["fp8", "nvfp4", "mxfp4"], default=None,
+                   help="report the sizes after `hybrid quantize --format F` with the default exclusions")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_info)
+
+    q = sub.add_parser("quantize", help="quantize a checkpoint to FP8 / NVFP4 / MXFP4 (ModelOpt layout)",
+                       formatter_class=fmt)
+    q.add_argument("src", help="float checkpoint directory or hub repo id")
+    q.add_argument("dst", help="output directory")
+    q.add_argument("--format", required=True, choices=["fp8", "nvfp4", "mxfp4"])
+    q.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN",
+                   help="modules to keep unquantized (fnmatch wildcards over module names); replaces the default "
+                        "list (lm_head, embeddings, attention, the Mamba layer feeding each attention layer, conv1d, "
+                        "routers, MTP); `--exclude` alone quantizes every Linear")
+    q.add_argument("--calibration-samples", type=int, default=16,
+                   help="token windows for the static input scales (fp8, nvfp4); 0: scales of 1.0")
+    q.add_argument("--calibration-length", type=_positive_int, default=256, help="tokens per calibration window")
+    q.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: built-in text)")
+    q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of the unquantized tensors (default: the checkpoint's)")
+    q.add_argument("--max-shard-bytes", type=_positive_int, default=None, help="split the weights into shards")
+    q.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    q.set_defaults(func=_quantize)
     return parser
 
 

@@ -3,6 +3,11 @@
 Published names map one to one onto our modules, except the routed experts, which checkpoints store one
 tensor per expert (`...mixer.experts.{j}.up_proj.weight [I, L]`) and we hold stacked
 (`...mixer.experts.up_proj [E, I, L]`); an already stacked tensor under our name is accepted too.
+Quantized checkpoints (FP8, NVFP4, MXFP4 in ModelOpt, compressed-tensors or gpt-oss layout) are read
+through `hybrid.quantized_loading`: the model is built on meta, the affected Linears and expert banks are
+swapped for packed modules, and their tensors (`weight`, `weight_scale`, ..., per expert
+`...experts.{j}.up_proj.weight_scale` stacked into `...experts.up_proj.weight_scale`) load name for name,
+kept in their stored dtypes.
 Loading is strict (tests/test_cases.py, cases 10 and 11): a tensor the model needs and the files lack, a tensor in
 the files the model does not use, or a shape that differs from the config's is an error naming it. With
 `tie_word_embeddings` the head is the embedding matrix, and an `lm_head.weight` in the files must equal it.
@@ -20,12 +25,16 @@ import torch
 from hybrid.checkpoint_files import CheckpointError, CheckpointFiles, resolve_checkpoint
 from hybrid.config import HybridConfig
 from hybrid.model import HybridForCausalLM
+from hybrid.quantized_loading import apply_quant_config, mismatch_message, packed_owner, read_quant_config
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
-_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.+\.mixer\.experts)\.(?P<proj>up_proj|down_proj)$")
+# `...experts.up_proj` (a float bank) or `...experts.up_proj.weight_scale` (a packed bank's tensors)
+_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.+\.mixer\.experts)\.(?P<proj>up_proj|down_proj)(?P<tensor>\.\w+)?$")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_QUANT_TENSOR_NAMES = {"weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_global_scale",
+                       "input_global_scale", "weight_blocks", "weight_scales", "k_scale", "v_scale"}
 
 
 def parse_dtype(dtype: str | torch.dtype | None, config: HybridConfig) -> torch.dtype:
@@ -57,36 +66,32 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     revision: str | None = None,
+    act_quant: bool = False,
 ) -> HybridForCausalLM:
     """Load a checkpoint directory (or hub repo id) into a `HybridForCausalLM` in eval mode.
 
     Args:
         path_or_repo: a local directory holding config.json and safetensors weights, or a hub repo id.
         dtype: compute dtype (`bf16`, `fp16`, `fp32`, or a torch dtype); default: the config's `torch_dtype`.
+            Quantized weights stay packed in their stored format and are computed in this dtype.
         device: where the weights go.
+        act_quant: for a quantized checkpoint, also quantize-dequantize the inputs of packed matmuls
+            (W8A8 / W4A4 emulation) instead of the default weight-only compute.
     Raises:
         ConfigError: config.json unreadable or invalid (names the file and field).
-        CheckpointError: missing shard, missing / unused tensor, shape mismatch, quantized or pickled
-            weights (names the file and tensor).
+        CheckpointError: missing shard, missing / unused tensor, shape mismatch, pickled weights, an
+            unknown quantization method, or quantized tensors that do not match the declared format
+            (names the file, tensor, module and format).
     """
     directory = resolve_checkpoint(path_or_repo, revision)
     config = HybridConfig.from_file(directory / "config.json")
-    _refuse_quantized(directory, config)
+    quant = read_quant_config(directory)
     model = build_model(config, parse_dtype(dtype, config))
-    load_weights(model, CheckpointFiles(directory), device)
+    files = CheckpointFiles(directory)
+    if quant is not None:
+        apply_quant_config(model, quant, files, act_quant=act_quant)
+    load_weights(model, files, device)
     return model.eval()
-
-
-def _refuse_quantized(directory: Path, config: HybridConfig) -> None:
-    method = None
-    if (directory / "hf_quant_config.json").exists():
-        method = "modelopt (hf_quant_config.json)"
-    elif config.quantization_config:
-        method = str(config.quantization_config.get("quant_method", "unknown"))
-    if method:
-        raise CheckpointError(
-            f"{directory}: quantized checkpoint ({method}); quantized weights are not supported by this version"
-        )
 
 
 def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str | torch.device = "cpu") -> None:
@@ -96,6 +101,7 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
         CheckpointError: see the module docstring; the message names the tensor(s) and file(s).
     """
     config = model.config
+    packed = packed_owner(model)
     targets = model.state_dict(keep_vars=True)
     tied = config.tie_word_embeddings
     used: set[str] = set()
@@ -110,11 +116,12 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
             missing.extend(s for s in sources if s not in files)
             continue
         out = torch.empty(target.shape, dtype=target.dtype, device=device)
+        owner = packed.get(name)
         if len(sources) == 1:
-            _copy_checked(out, sources[0], files)
+            _copy_checked(out, sources[0], files, name, owner, model)
         else:
             for j, s in enumerate(sources):
-                _copy_checked(out[j], s, files)
+                _copy_checked(out[j], s, files, name, owner, model)
         used.update(sources)
         loaded[name] = out
 
@@ -137,9 +144,14 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
         )
     unused = sorted(set(files.keys()) - used)
     if unused:
+        quant = getattr(model, "quantization", None)
+        hint = ""
+        if any(u.rpartition(".")[2] in _QUANT_TENSOR_NAMES for u in unused):
+            hint = (f"; quantization tensors of modules that {quant.source} leaves unquantized" if quant is not None
+                    else "; quantization tensors, but the checkpoint declares no quantization config")
         raise CheckpointError(
             f"{files.directory}: {len(unused)} tensor(s) in the files are not used by the model "
-            f"(pattern {config.hybrid_override_pattern!r}): {_first(unused)}"
+            f"(pattern {config.hybrid_override_pattern!r}): {_first(unused)}{hint}"
         )
     model.load_state_dict(loaded, strict=True, assign=True)
     if tied:
@@ -150,20 +162,39 @@ def _source_names(name: str, target: torch.Tensor, files: CheckpointFiles) -> li
     """Checkpoint tensor names that make up model tensor `name` (several for stacked experts)."""
     m = _STACKED_EXPERTS.match(name)
     if m and name not in files:
-        return [f"{m['prefix']}.{j}.{m['proj']}.weight" for j in range(target.shape[0])]
+        return [f"{m['prefix']}.{j}.{m['proj']}{m['tensor'] or '.weight'}" for j in range(target.shape[0])]
     return [name]
 
 
-def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles) -> None:
-    shape = files.shape(name)
-    if tuple(shape) != tuple(out.shape):
+def _squeezed(shape) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
+def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles, model_name: str | None = None,
+                  owner=None, model=None) -> None:
+    """Copy file tensor `name` into `out`, refusing any shape or dtype the target does not declare.
+
+    A packed module's tensors (`owner` = (module, format)) keep their dtype exactly; their shapes may differ
+    from the declared ones only by size-1 dimensions (scalars stored as [] or [1], per-channel scales as
+    [out] or [out, 1], block scales as [R, C] or ModelOpt's [R, 1, C, 1]).
+    """
+    shape, dtype = tuple(files.shape(name)), files.dtype(name)
+    if owner is not None:
+        module, fmt = owner
+        if dtype != out.dtype or (shape != tuple(out.shape) and _squeezed(shape) != _squeezed(out.shape)):
+            raise CheckpointError(mismatch_message(files, name, model_name, module, fmt, tuple(out.shape), out.dtype,
+                                                   getattr(model, "quantization", None)))
+        out.copy_(files.view(name).reshape(out.shape))
+        return
+    if dtype not in _FLOAT_DTYPES:
+        quant = getattr(model, "quantization", None)
+        why = ("quantized tensors need a quantization config" if quant is None else
+               f"quantized checkpoint: {quant.source} leaves this module unquantized, so a floating-point weight "
+               "is expected")
+        raise CheckpointError(f"{files.file_of(name)}: tensor {name!r} is {dtype}, not a floating-point weight; {why}")
+    if shape != tuple(out.shape):
         raise CheckpointError(
             f"{files.file_of(name)}: tensor {name!r} has shape {list(shape)}; the config expects {list(out.shape)}"
-        )
-    if files.dtype(name) not in _FLOAT_DTYPES:
-        raise CheckpointError(
-            f"{files.file_of(name)}: tensor {name!r} is {files.dtype(name)}, not a floating-point weight; "
-            "quantized tensors need a quantization config"
         )
     out.copy_(files.view(name))
 
@@ -178,6 +209,7 @@ def load(
     dtype: str | torch.dtype | None = None,
     device: str | torch.device = "cpu",
     revision: str | None = None,
+    act_quant: bool = False,
 ):
     """Load a model and its tokenizer: `(HybridForCausalLM, Tokenizer)`.
 
@@ -187,6 +219,6 @@ def load(
     from hybrid.tokenizer import Tokenizer
 
     directory = resolve_checkpoint(path_or_repo, revision)
-    model = load_model(directory, dtype, device)
+    model = load_model(directory, dtype, device, act_quant=act_quant)
     tokenizer = Tokenizer.from_dir(directory, config_eos=model.config.eos_token_ids, config_pad=model.config.pad_token_id)
     return model, tokenizer

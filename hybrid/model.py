@@ -24,7 +24,9 @@ from moe.layer import MoE
 
 # Parameters held in fp32 whatever the model dtype: the router (transformers keeps `gate.weight` and the
 # correction bias in fp32) and the per-head SSM parameters (tiny; bf16 values upcast exactly).
-FP32_SUFFIXES = (".mixer.gate.weight", ".mixer.gate.e_score_correction_bias", ".mixer.A_log", ".mixer.D", ".mixer.dt_bias")
+# KV-cache scales of quantized checkpoints (`k_proj.k_scale`, `v_proj.v_scale`) are fp32 scalars too.
+FP32_SUFFIXES = (".mixer.gate.weight", ".mixer.gate.e_score_correction_bias", ".mixer.A_log", ".mixer.D", ".mixer.dt_bias",
+                 ".k_scale", ".v_scale")
 
 
 def make_mixer(kind: str, config: HybridConfig) -> nn.Module:
@@ -140,11 +142,21 @@ class HybridForCausalLM(nn.Module):
         return self.backbone.embeddings.weight.device
 
     def cast(self, dtype: torch.dtype) -> "HybridForCausalLM":
-        """Convert floating-point weights to `dtype`, keeping the `FP32_SUFFIXES` tensors in fp32."""
-        for name, t in list(self.named_parameters()) + list(self.named_buffers()):
-            want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-            if t.is_floating_point() and t.dtype != want:
-                t.data = t.data.to(want)
+        """Convert floating-point weights to `dtype`, keeping the `FP32_SUFFIXES` tensors in fp32.
+
+        Packed quantized tensors (buffers of modules marked `keeps_dtypes`, `moe.quant`) keep their
+        stored dtypes (E4M3 weights, packed bytes, fp32 scales); the model dtype is their compute dtype.
+        """
+        for mname, module in self.named_modules():
+            keep = getattr(module, "keeps_dtypes", False)
+            tensors = list(module._parameters.items()) + ([] if keep else list(module._buffers.items()))
+            for tname, t in tensors:
+                name = f"{mname}.{tname}" if mname else tname
+                want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
+                if t is not None and t.is_floating_point() and t.dtype != want:
+                    t.data = t.data.to(want)
+            if keep and hasattr(module, "compute_dtype"):
+                module.compute_dtype = dtype
         return self
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:

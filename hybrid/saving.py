@@ -2,7 +2,9 @@
 
 Tensor names are the published ones (`backbone.` prefix, one tensor per routed expert,
 `e_score_correction_bias` in fp32), so transformers' `NemotronHForCausalLM` and vLLM-style loaders read
-the result. With `max_shard_bytes`, weights are split into `model-0000i-of-0000n.safetensors` shards plus
+the result. A quantized model (`model.quantization`, from loading a quantized checkpoint or from
+`hybrid.quantize`) is written with its packed tensors as they are and its quantization config files
+(`hf_quant_config.json` and/or config.json's `quantization_config`). With `max_shard_bytes`, weights are split into `model-0000i-of-0000n.safetensors` shards plus
 `model.safetensors.index.json`.
 """
 
@@ -18,6 +20,7 @@ from safetensors.torch import save_file
 from hybrid.checkpoint_files import INDEX_NAME, SINGLE_NAME
 from hybrid.loading import _STACKED_EXPERTS
 from hybrid.model import HybridForCausalLM
+from moe.quant.config import HF_QUANT_CONFIG
 
 
 def published_state_dict(model: HybridForCausalLM) -> dict[str, torch.Tensor]:
@@ -30,7 +33,7 @@ def published_state_dict(model: HybridForCausalLM) -> dict[str, torch.Tensor]:
         m = _STACKED_EXPERTS.match(name)
         if m:
             for j in range(t.shape[0]):
-                out[f"{m['prefix']}.{j}.{m['proj']}.weight"] = t[j].contiguous()
+                out[f"{m['prefix']}.{j}.{m['proj']}{m['tensor'] or '.weight'}"] = t[j].contiguous()
         else:
             out[name] = t.contiguous()
     return out
@@ -42,6 +45,11 @@ def save_checkpoint(model: HybridForCausalLM, directory: str | Path, max_shard_b
     directory.mkdir(parents=True, exist_ok=True)
     dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype]
     config = dataclasses.replace(model.config, torch_dtype=dtype_name)
+    quant = getattr(model, "quantization", None)
+    if quant is not None:
+        config = dataclasses.replace(config, quantization_config=quant.files.get("config.json"))
+        if HF_QUANT_CONFIG in quant.files:
+            (directory / HF_QUANT_CONFIG).write_text(json.dumps(quant.files[HF_QUANT_CONFIG], indent=4) + "\n")
     config.save(directory / "config.json")
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
                   "pad_token_id": config.pad_token_id}

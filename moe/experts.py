@@ -7,10 +7,17 @@ tensor per expert (`experts.{j}.up_proj.weight`); the loader stacks them into `u
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
-from hybrid.layers.mlp import relu2
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU, `relu(x) ** 2` (So et al. 2021, Primer); the same as `hybrid.layers.mlp.relu2`, defined
+    here so that `moe` imports without `hybrid`."""
+    return torch.relu(x).square()
 
 
 class ExpertBank(nn.Module):
@@ -27,13 +34,25 @@ class ExpertBank(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(n_experts, in_features, intermediate_size))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        T, k = ids.shape
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.up_proj.shape[0]).tolist()
-        token_of = order // k
-        # one gather of the (token, expert) pairs sorted by expert, one contiguous slice per expert
-        parts = torch.split(x[token_of], counts)
-        ys = [relu2(part @ self.up_proj[e].T) @ self.down_proj[e].T for e, part in enumerate(parts) if counts[e]]
-        y = torch.cat(ys).float() * weights.reshape(-1)[order, None]
-        return torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device).index_add_(0, token_of, y).to(x.dtype)
+        return dispatch(x, weights, ids, self.up_proj.shape[0],
+                        lambda e, part: relu2(part @ self.up_proj[e].T) @ self.down_proj[e].T)
+
+
+def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int,
+             expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Run `expert(e, x_e)` for every expert e that some token chose, and combine: x [T, L], weights [T, k]
+    fp32, ids [T, k] -> [T, L] in x's dtype.
+
+    The (token, expert) pairs are sorted by expert (a stable sort of the flattened ids) and gathered once;
+    each chosen expert gets its contiguous slice `x_e` [n_e, L]; the weighted outputs are summed per token
+    in fp32. Shared by the float bank and the packed one (`moe.quant.QuantExpertBank`).
+    """
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    token_of = order // k
+    parts = torch.split(x[token_of], counts)
+    ys = [expert(e, part) for e, part in enumerate(parts) if counts[e]]
+    y = torch.cat(ys).float() * weights.reshape(-1)[order, None]
+    return torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device).index_add_(0, token_of, y).to(x.dtype)

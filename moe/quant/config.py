@@ -1,0 +1,295 @@
+"""Checkpoint quantization configs -> a `QuantFormat` (or None) for each module name; and ModelOpt's, written.
+
+Read (module names are the checkpoint's dotted names, e.g. `backbone.layers.3.mixer.experts.5.up_proj`):
+
+- ModelOpt `hf_quant_config.json`: `{"producer": ..., "quantization": {"quant_algo", "kv_cache_quant_algo",
+  "group_size", "exclude_modules": [wildcards]}}`; `quant_algo: MIXED_PRECISION` adds a per-module map
+  `"quantized_layers": {module: {"quant_algo": ..., "group_size": ...}}` (modules absent from it stay
+  unquantized). The same content may sit in config.json as `quantization_config` with
+  `"quant_method": "modelopt"` (keys `quant_algo`, `ignore`, `quantized_layers`, `kv_cache_scheme`).
+  Algorithms: FP8 (per-tensor + static input scale), FP8_PER_CHANNEL_PER_TOKEN, FP8_PB_WO (128x128
+  blocks), NVFP4, W4A16_NVFP4, MXFP4. Exclusion wildcards are `fnmatch` patterns matched against the
+  module and each of its ancestors (reference: vLLM `ModelOptQuantConfigBase.is_layer_excluded`).
+- compressed-tensors `quantization_config` (`"quant_method": "compressed-tensors"`): `config_groups`
+  `{name: {"targets": [...], "weights": {...}, "input_activations": {...}, "format"?}}`, a top-level
+  `format`, `ignore`, `kv_cache_scheme`. Targets and ignores are exact names, `re:` regexes (`re.match`)
+  or class names (`Linear`); an exact name beats a regex beats a class. Formats: `float-quantized`
+  (FP8, tensor / channel / block strategy), `nvfp4-pack-quantized`, `mxfp4-pack-quantized`.
+- `"quant_method": "mxfp4"` (gpt-oss style): every Linear but `modules_to_not_convert`, stored as
+  `weight_blocks [out, in/32, 16]` + `weight_scales [out, in/32]`.
+
+Anything else (an unknown method or algorithm, an integer format, a malformed field) is an error that
+names the file and the key; nothing is ever guessed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from fnmatch import fnmatch
+from pathlib import Path
+
+from moe.quant.format import CT_FP4_NAMES, CT_FP8_NAMES, GPT_OSS_NAMES, MODELOPT_NAMES, QuantFormat
+
+HF_QUANT_CONFIG = "hf_quant_config.json"
+
+MODELOPT_ALGOS = {
+    "FP8": dict(kind="fp8", granularity="tensor", input_scale=True),
+    "FP8_PER_CHANNEL_PER_TOKEN": dict(kind="fp8", granularity="channel"),
+    "FP8_PB_WO": dict(kind="fp8", granularity="block"),
+    "NVFP4": dict(kind="nvfp4", input_scale=True),
+    "W4A16_NVFP4": dict(kind="nvfp4"),
+    "MXFP4": dict(kind="mxfp4"),
+}
+CT_FORMATS = ("float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+
+
+class QuantConfigError(ValueError):
+    """A quantization config that cannot be used as it is; the message names the file and key."""
+
+
+def modelopt_format(algo: str, group_size=None, where: str = "") -> QuantFormat:
+    """The `QuantFormat` of a ModelOpt `quant_algo` (case-insensitive)."""
+    spec = MODELOPT_ALGOS.get(str(algo).upper())
+    if spec is None:
+        raise QuantConfigError(f"{where}: quant_algo {algo!r} is not supported; expected one of {sorted(MODELOPT_ALGOS)}")
+    expected = {"nvfp4": 16, "mxfp4": 32}.get(spec["kind"])
+    if expected and group_size not in (None, expected):
+        raise QuantConfigError(f"{where}: {algo} with group_size {group_size}; the format's block size is {expected}")
+    return QuantFormat(**spec, names=dict(MODELOPT_NAMES))
+
+
+def _clean_pattern(p) -> str:
+    """ModelOpt 0.47 with transformers 5 writes names like 'lm_head.\\x00backbone.pt_name_sentinel' (a leaked
+    placeholder of its reverse name mapping); the module name is the part before the NUL, without the dot."""
+    p = str(p)
+    if "\x00" in p:
+        p = p.split("\x00", 1)[0].rstrip(".")
+    return p
+
+
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+@dataclass
+class QuantConfig:
+    """Which format each module has, as a checkpoint declares it.
+
+    method: "modelopt", "compressed-tensors" or "mxfp4".  source: the file it came from (for messages).
+    kv_cache: the KV-cache quantization algorithm ("FP8", ...) or None. `k_scale` / `v_scale` tensors are
+    kept; the KV cache itself stays in the model dtype.
+    files: {file name: JSON content} to write back with the checkpoint (`hf_quant_config.json`, and the
+    `quantization_config` block of config.json under the key "config.json").
+    """
+
+    method: str
+    source: str
+    kv_cache: str | None = None
+    default: QuantFormat | None = None
+    per_module: dict[str, QuantFormat] = field(default_factory=dict)
+    exclude: list[str] = field(default_factory=list)
+    groups: list[tuple[list[str], QuantFormat, str]] = field(default_factory=list)  # compressed-tensors
+    files: dict = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------ resolving
+    def excluded_by(self, name: str) -> str | None:
+        """The exclusion pattern that keeps module `name` unquantized, or None."""
+        for pattern in self.exclude:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], name):
+                    return pattern
+            elif any(fnmatch(a, pattern) for a in _ancestors(name)):
+                return pattern
+        return None
+
+    def format_for(self, name: str, cls: str = "Linear") -> QuantFormat | None:
+        """The format of module `name` (a `cls` module: "Linear" for linears and expert projections)."""
+        if self.excluded_by(name):
+            return None
+        if self.method == "compressed-tensors":
+            return self._ct_format(name, cls)
+        if self.per_module or self.default is None:  # MIXED_PRECISION: only the listed modules
+            return self.per_module.get(name)
+        return self.default
+
+    def _ct_format(self, name: str, cls: str) -> QuantFormat | None:
+        best: dict[int, list[tuple[str, QuantFormat]]] = {}
+        for targets, fmt, group in self.groups:
+            for t in targets:
+                rank = 0 if t == name else 1 if t.startswith("re:") and re.match(t[3:], name) else 2 if t == cls else None
+                if rank is not None:
+                    best.setdefault(rank, []).append((group, fmt))
+        for rank in sorted(best):
+            hits = {g: f for g, f in best[rank]}
+            if len(hits) > 1:
+                raise QuantConfigError(f"{self.source}: module {name!r} matches several config_groups: {sorted(hits)}")
+            return next(iter(hits.values()))
+        return None
+
+    def kinds(self) -> set[str]:
+        fmts = [self.default] + list(self.per_module.values()) + [f for _, f, _ in self.groups]
+        return {f.label for f in fmts if f is not None}
+
+    # ------------------------------------------------------------------------------------ reading
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, config_json: dict | None = None) -> "QuantConfig | None":
+        """The quantization config of a checkpoint directory (hf_quant_config.json, else config.json's
+        `quantization_config`), or None for an unquantized checkpoint. `config_json`: the parsed config.json."""
+        directory = Path(directory)
+        path = directory / HF_QUANT_CONFIG
+        block = (config_json or {}).get("quantization_config")
+        if path.exists():
+            try:
+                raw = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise QuantConfigError(f"{path}: not valid JSON ({e})") from None
+            qc = cls.from_modelopt(raw, str(path))
+            if block is not None:
+                qc.files["config.json"] = block
+            return qc
+        if block is None:
+            return None
+        return cls.from_quantization_config(block, str(directory / "config.json"))
+
+    @classmethod
+    def from_quantization_config(cls, block: dict, source: str) -> "QuantConfig":
+        """From config.json's `quantization_config` block (any supported `quant_method`)."""
+        if not isinstance(block, dict):
+            raise QuantConfigError(f"{source}: quantization_config must be an object, got {type(block).__name__}")
+        method = str(block.get("quant_method", "")).lower()
+        if method.startswith("modelopt"):
+            qc = cls.from_modelopt(block, f"{source} (quantization_config)")
+        elif method == "compressed-tensors":
+            qc = cls.from_compressed_tensors(block, f"{source} (quantization_config)")
+        elif method == "mxfp4":
+            exclude = block.get("modules_to_not_convert") or []
+            if not isinstance(exclude, list):
+                raise QuantConfigError(f"{source}: quantization_config.modules_to_not_convert must be a list")
+            fmt = QuantFormat("mxfp4", names=dict(GPT_OSS_NAMES), blocks_layout=True)
+            qc = cls("mxfp4", f"{source} (quantization_config)", default=fmt, exclude=[str(p) for p in exclude])
+        else:
+            raise QuantConfigError(
+                f"{source}: quantization_config.quant_method {block.get('quant_method')!r} is not supported; "
+                "expected 'modelopt', 'compressed-tensors' or 'mxfp4'"
+            )
+        qc.files["config.json"] = block
+        return qc
+
+    @classmethod
+    def from_modelopt(cls, raw: dict, source: str) -> "QuantConfig":
+        """From hf_quant_config.json (`{"quantization": {...}}`) or a config.json `modelopt` block (flat)."""
+        nested = "quantization" in raw
+        q = raw.get("quantization") if nested else raw
+        if not isinstance(q, dict):
+            raise QuantConfigError(f"{source}: 'quantization' must be an object")
+        algo = q.get("quant_algo")
+        if not algo:
+            raise QuantConfigError(f"{source}: no quant_algo")
+        exclude = q.get("exclude_modules" if nested else "ignore", q.get("exclude_modules", []))
+        if exclude is None:
+            exclude = []
+        if not isinstance(exclude, list):
+            raise QuantConfigError(f"{source}: exclude_modules must be a list, got {type(exclude).__name__}")
+        kv = q.get("kv_cache_quant_algo")
+        if not nested and isinstance(q.get("kv_cache_scheme"), dict):
+            scheme = q["kv_cache_scheme"]
+            kv = "FP8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None
+        qc = cls("modelopt", source, kv_cache=str(kv).upper() if kv else None,
+                 exclude=[_clean_pattern(p) for p in exclude])
+        if str(algo).upper() == "MIXED_PRECISION":
+            layers = q.get("quantized_layers")
+            if not isinstance(layers, dict) or not layers:
+                raise QuantConfigError(f"{source}: quant_algo MIXED_PRECISION needs a non-empty 'quantized_layers' map")
+            for name, info in layers.items():
+                if not isinstance(info, dict) or "quant_algo" not in info:
+                    raise QuantConfigError(f"{source}: quantized_layers[{name!r}] has no quant_algo")
+                qc.per_module[_clean_pattern(name)] = modelopt_format(
+                    info["quant_algo"], info.get("group_size"), f"{source}: quantized_layers[{name!r}]")
+        else:
+            qc.default = modelopt_format(algo, q.get("group_size"), source)
+        if nested:
+            qc.files[HF_QUANT_CONFIG] = raw
+        return qc
+
+    @classmethod
+    def from_compressed_tensors(cls, block: dict, source: str) -> "QuantConfig":
+        groups = block.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise QuantConfigError(f"{source}: compressed-tensors config needs a non-empty 'config_groups' object")
+        ignore = block.get("ignore") or []
+        if not isinstance(ignore, list):
+            raise QuantConfigError(f"{source}: 'ignore' must be a list")
+        kv = block.get("kv_cache_scheme")
+        kv = "FP8" if isinstance(kv, dict) and kv.get("type") == "float" and kv.get("num_bits") == 8 else None
+        qc = cls("compressed-tensors", source, kv_cache=kv, exclude=[str(p) for p in ignore])
+        for gname, g in groups.items():
+            where = f"{source}: config_groups.{gname}"
+            if not isinstance(g, dict) or not isinstance(g.get("targets"), list):
+                raise QuantConfigError(f"{where} needs a 'targets' list")
+            fmt_name = g.get("format") or block.get("format")
+            qc.groups.append(([str(t) for t in g["targets"]], _ct_format(fmt_name, g, where), gname))
+        return qc
+
+
+def _ct_format(fmt_name, group: dict, where: str) -> QuantFormat:
+    """The `QuantFormat` of one compressed-tensors config group."""
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        raise QuantConfigError(f"{where}: no 'weights' quantization arguments")
+    if fmt_name not in CT_FORMATS:
+        raise QuantConfigError(f"{where}: compressed-tensors format {fmt_name!r} is not supported; expected one of "
+                               f"{list(CT_FORMATS)}")
+    if w.get("type") != "float" or w.get("symmetric", True) is False:
+        raise QuantConfigError(f"{where}: weights must be symmetric floats for {fmt_name}, got {w}")
+    acts = group.get("input_activations")
+    static_acts = isinstance(acts, dict) and acts.get("dynamic", True) in (False, "local")
+    strategy = str(w.get("strategy") or "").lower()
+    if fmt_name == "float-quantized":
+        if w.get("num_bits") != 8:
+            raise QuantConfigError(f"{where}: float-quantized weights must have num_bits 8, got {w.get('num_bits')}")
+        granularity = {"tensor": "tensor", "channel": "channel", "block": "block"}.get(strategy)
+        if granularity is None:
+            raise QuantConfigError(f"{where}: FP8 weight strategy {strategy!r} is not supported (tensor, channel, block)")
+        block = 128
+        if granularity == "block":
+            bs = w.get("block_structure") or [128, 128]
+            if len(bs) != 2 or bs[0] != bs[1]:
+                raise QuantConfigError(f"{where}: block_structure {bs} is not square")
+            block = int(bs[0])
+        static_input = static_acts and acts.get("dynamic") is False
+        return QuantFormat("fp8", granularity=granularity, block=block, input_scale=static_input,
+                           names=dict(CT_FP8_NAMES), scalar_shape=(1,))
+    group_size = 16 if fmt_name == "nvfp4-pack-quantized" else 32
+    if w.get("num_bits") != 4 or w.get("group_size") != group_size:
+        raise QuantConfigError(f"{where}: {fmt_name} needs num_bits 4 and group_size {group_size}, got "
+                               f"{w.get('num_bits')} and {w.get('group_size')}")
+    if fmt_name == "nvfp4-pack-quantized":
+        return QuantFormat("nvfp4", divisor=True, input_scale=static_acts, names=dict(CT_FP4_NAMES), scalar_shape=(1,))
+    return QuantFormat("mxfp4", names={"data": "weight_packed", "scale": "weight_scale"}, scalar_shape=(1,))
+
+
+def modelopt_config_files(fmt: QuantFormat, exclude: list[str], producer: dict) -> tuple[dict, dict]:
+    """(hf_quant_config.json content, config.json `quantization_config` block) for a checkpoint quantized
+    with one ModelOpt algorithm, in the layout ModelOpt's `export_hf_checkpoint` writes (and vLLM reads)."""
+    algo = {("fp8", "tensor"): "FP8", ("fp8", "channel"): "FP8_PER_CHANNEL_PER_TOKEN", ("fp8", "block"): "FP8_PB_WO",
+            ("nvfp4", "tensor"): "NVFP4" if fmt.input_scale else "W4A16_NVFP4", ("mxfp4", "tensor"): "MXFP4"}[
+        (fmt.kind, fmt.granularity if fmt.kind == "fp8" else "tensor")]
+    quantization = {"quant_algo": algo, "kv_cache_quant_algo": None}
+    if fmt.kind != "fp8":
+        quantization["group_size"] = fmt.group
+    quantization["exclude_modules"] = list(exclude)
+    weights = {"dynamic": False, "num_bits": 8 if fmt.kind == "fp8" else 4, "type": "float"}
+    if fmt.kind != "fp8":
+        weights["group_size"] = fmt.group
+    elif fmt.granularity != "tensor":
+        weights["strategy"] = fmt.granularity
+    group = {"weights": weights, "targets": ["Linear"]}
+    if fmt.input_scale:
+        group["input_activations"] = {"dynamic": False, "num_bits": weights["num_bits"], "type": "float",
+                                      **({"group_size": fmt.group} if fmt.kind != "fp8" else {})}
+    block = {"config_groups": {"group_0": group}, "ignore": list(exclude), "quant_algo": algo,
+             "producer": producer, "quant_method": "modelopt"}
+    return {"producer": producer, "quantization": quantization}, block

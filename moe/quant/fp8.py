@@ -1,0 +1,72 @@
+"""FP8 E4M3 weight quantization with per-tensor, per-channel or 128x128 block scales.
+
+    W[r, c] ~= e4m3(q[r, c]) * scale[...]          scale fp32, one of
+        per-tensor    scale []                      ModelOpt `quant_algo: FP8`, compressed-tensors `tensor`
+        per-channel   scale [out]                   ModelOpt `FP8_PER_CHANNEL_PER_TOKEN`, c-t `channel`
+        block         scale [ceil(out/B), ceil(in/B)], B = 128 (DeepSeek-V3 style; ModelOpt `FP8_PB_WO`,
+                      compressed-tensors `block` / `FP8_BLOCK`); scale[r // B, c // B]
+
+Quantize (ModelOpt `FP8QTensor.quantize`, compressed-tensors `float-quantized`): `scale = amax / 448`
+over the tensor, row or block (an all-zero one gets 1.0), then `q = e4m3(W / scale)` computed in fp32.
+The weight is an `[..., out, in]` tensor; leading dimensions (stacked experts) get their own scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe.quant.e4m3 import E4M3_MAX, decode_e4m3, encode_e4m3
+
+GRANULARITIES = ("tensor", "channel", "block")
+BLOCK = 128
+
+
+def fp8_scale_shape(out_features: int, in_features: int, granularity: str, block: int = BLOCK) -> tuple[int, ...]:
+    """The shape of `weight_scale` for one `[out, in]` weight."""
+    if granularity == "tensor":
+        return ()
+    if granularity == "channel":
+        return (out_features,)
+    if granularity == "block":
+        return (-(-out_features // block), -(-in_features // block))
+    raise ValueError(f"unknown FP8 scale granularity {granularity!r}; expected one of {GRANULARITIES}")
+
+
+def _expand(scale: torch.Tensor, shape: torch.Size, granularity: str, block: int) -> torch.Tensor:
+    """Broadcast `scale` (leading dims + the granularity's shape) against a weight of `shape`."""
+    if granularity == "tensor":
+        return scale[..., None, None]
+    if granularity == "channel":
+        return scale[..., :, None]
+    rows, cols = shape[-2], shape[-1]
+    return scale.repeat_interleave(block, -2)[..., :rows, :].repeat_interleave(block, -1)[..., :cols]
+
+
+def _amax(w: torch.Tensor, granularity: str, block: int) -> torch.Tensor:
+    a = w.detach().abs().float()
+    if granularity == "tensor":
+        return a.amax(dim=(-2, -1))
+    if granularity == "channel":
+        return a.amax(dim=-1)
+    rows, cols = a.shape[-2], a.shape[-1]
+    pr, pc = -rows % block, -cols % block
+    a = torch.nn.functional.pad(a, (0, pc, 0, pr))  # zeros never raise a block's amax
+    a = a.unflatten(-1, (-1, block)).unflatten(-3, (-1, block))  # [..., R, B, C, B]
+    return a.amax(dim=(-3, -1))
+
+
+def quantize_fp8(w: torch.Tensor, granularity: str = "tensor", block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight [..., out, in] (any float dtype) -> (q float8_e4m3fn [..., out, in], scale fp32).
+
+    The scale has the leading dims of `w` followed by `fp8_scale_shape(out, in, granularity)`.
+    """
+    fp8_scale_shape(1, 1, granularity)  # validates the name
+    amax = _amax(w, granularity, block)
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = encode_e4m3(w.float() / _expand(scale, w.shape, granularity, block))
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str = "tensor", block: int = BLOCK) -> torch.Tensor:
+    """(q float8_e4m3fn [..., out, in], scale fp32) -> float32 weight `e4m3(q) * scale`."""
+    return decode_e4m3(q) * _expand(scale.float(), q.shape, granularity, block)

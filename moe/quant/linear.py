@@ -1,0 +1,55 @@
+"""`QuantLinear`: an `nn.Linear` replacement whose weight stays packed (FP8, NVFP4 or MXFP4).
+
+    y = x @ dequantize(W).T + bias         weight-only (W8A16 / W4A16), the default
+    y = q(x) @ dequantize(W).T + bias      with `act_quant=True`: inputs quantize-dequantized first
+                                           (W8A8 / W4A4 emulation, `moe.quant.activations`)
+
+The state dict holds the checkpoint's own tensors (`weight`, `weight_scale`, ... as `fmt` names them) and
+an optional `bias` in the model dtype. On CUDA, with triton installed, FP8 and NVFP4 weight-only matmuls
+run in a Triton kernel that dequantizes tiles on the fly (`moe.quant.triton_kernels`); elsewhere the
+dequantized weight is built for the call and dropped after it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moe.quant.activations import fake_quantize_input
+from moe.quant.format import QuantFormat
+from moe.quant.packed import PackedWeight
+
+
+class QuantLinear(PackedWeight):
+    """Shapes: x [..., in_features] -> [..., out_features] in x's dtype (the model's compute dtype)."""
+
+    def __init__(self, fmt: QuantFormat, in_features: int, out_features: int, bias: bool = False,
+                 compute_dtype: torch.dtype = torch.bfloat16, act_quant: bool = False,
+                 device: torch.device | str | None = None):
+        fmt.check_shape(out_features, in_features, "QuantLinear")
+        super().__init__(fmt, out_features, in_features, device=device)
+        self.compute_dtype, self.act_quant = compute_dtype, act_quant
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_quant:
+            x = fake_quantize_input(x, self.fmt, self.activation_scale())
+        elif x.is_cuda:
+            from moe.quant import triton_kernels
+
+            if triton_kernels.supports(self.fmt):
+                return triton_kernels.linear(x, self, self.bias)
+        return F.linear(x, self.dequantize(x.dtype), self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, fmt: QuantFormat, input_amax: torch.Tensor | None = None,
+                    act_quant: bool = False) -> "QuantLinear":
+        """Quantize a float `nn.Linear` (its weight is read, not kept)."""
+        w = linear.weight.detach()
+        q = cls(fmt, linear.in_features, linear.out_features, linear.bias is not None, w.dtype, act_quant, w.device)
+        for name, t in fmt.quantize(w, input_amax).items():
+            getattr(q, name).copy_(t)
+        if linear.bias is not None:
+            q.bias.data.copy_(linear.bias.detach())
+        return q

@@ -1,0 +1,189 @@
+"""Triton kernels that fuse dequantization into the matmul: FP8 and NVFP4 weights, plain or grouped by expert.
+
+One kernel computes `out[rows] = x[rows] @ dequant(W_e).T` for row tiles that each belong to one weight
+`W_e` of a stack (a plain Linear is a stack of one). Each program loads a [BLOCK_N, BLOCK_K] tile of the
+packed weight, decodes it in registers with the format's exact tables (the 256 E4M3 values, the 16
+E2M1 values) and scales, and feeds `tl.dot` with fp32 accumulation; no dequantized weight ever exists
+in memory. The grouped form (`expert_bank`) sorts token/expert pairs by expert, gives every expert
+ceil(count / BLOCK_M) row tiles, and runs the up projection, squared ReLU and down projection as two
+launches over all chosen experts (the MoE layout of vLLM's `fused_moe`, without the padding buffers).
+
+Weights (`PackedWeight` tensors, row-major as on disk):
+    FP8    data e4m3 [E?, N, K]; scale fp32 per tensor [E?], per channel [E?, N] or per 128x128 block
+           [E?, ceil(N/128), ceil(K/128)]: element (n, k) uses scale[(n // SBN) * s_n + (k // SBK) * s_k]
+    NVFP4  data uint8 [E?, N, K/2] (element k in byte k // 2, nibble k % 2), scale e4m3 [E?, N, K/16],
+           global fp32 [E?] (multiplier, or divisor for compressed-tensors)
+
+Tested on the CPU with `TRITON_INTERPRET=1` against the PyTorch path (tests/test_quant_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional (the `cuda` extra)
+    triton = None
+
+from moe.quant.e2m1 import E2M1_VALUES
+from moe.quant.e4m3 import e4m3_value
+from moe.quant.format import QuantFormat
+
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+_FP8, _NVFP4 = 0, 1
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def supports(fmt: QuantFormat | None) -> bool:
+    """Whether a weight in `fmt` can run in the fused kernel (weight-only FP8 any granularity, NVFP4 /16)."""
+    return available() and fmt is not None and (fmt.kind == "fp8" or (fmt.kind == "nvfp4" and fmt.group == 16))
+
+
+def supports_bank(bank) -> bool:
+    return supports(bank.up_proj.fmt) and supports(bank.down_proj.fmt)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _packed_matmul_kernel(
+        x_ptr, out_ptr, w_ptr, s_ptr, g_ptr, e4m3_lut, e2m1_lut,
+        tile_expert, tile_start, tile_end,
+        N, K, stride_xm, stride_om,
+        stride_we, stride_wn, stride_se, stride_sn, stride_sk, sbn, sbk,
+        KIND: tl.constexpr, DIVISOR: tl.constexpr, IEEE: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(tile_expert + tile)
+        row0 = tl.load(tile_start + tile)
+        row1 = tl.load(tile_end + tile)
+        rows = row0 + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        row_ok = rows < row1
+        col_ok = cols < N
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        w_base = w_ptr + e * stride_we
+        s_base = s_ptr + e * stride_se
+        if KIND == 1:
+            g = tl.load(g_ptr + e)
+        for k0 in range(0, K, BK):
+            ks = k0 + tl.arange(0, BK)
+            k_ok = ks < K
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wmask = col_ok[:, None] & k_ok[None, :]
+            if KIND == 0:
+                bits = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=wmask, other=0)
+                value = tl.load(e4m3_lut + bits.to(tl.int32))
+                sidx = (cols[:, None] // sbn) * stride_sn + (ks[None, :] // sbk) * stride_sk
+                scale = tl.load(s_base + sidx, mask=wmask, other=0.0)
+                w = value * scale
+            else:
+                byte = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :] // 2, mask=wmask, other=0)
+                code = (byte.to(tl.int32) >> ((ks[None, :] % 2) * 4)) & 15
+                value = tl.load(e2m1_lut + code)
+                sbits = tl.load(s_base + cols[:, None] * stride_sn + ks[None, :] // 16, mask=wmask, other=0)
+                block_scale = tl.load(e4m3_lut + sbits.to(tl.int32))
+                if DIVISOR:
+                    w = value * (block_scale / g)
+                else:
+                    w = value * (block_scale * g)
+            w = tl.where(wmask, w, 0.0).to(x.dtype)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+_LUTS: dict = {}
+
+
+def _luts(device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = str(device)
+    if key not in _LUTS:
+        _LUTS[key] = (torch.tensor([e4m3_value(b) for b in range(256)], dtype=torch.float32, device=device),
+                      torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device))
+    return _LUTS[key]
+
+
+def _scale_layout(proj, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(stride_se, stride_sn, stride_sk, sbn, sbk) of the projection's block scales."""
+    fmt, scale = proj.fmt, proj.role("scale")
+    stacked = proj.n_experts is not None
+    stride_se = scale.stride(0) if stacked else 0
+    if fmt.kind == "nvfp4":
+        return stride_se, scale.stride(-2), 1, 1, 16
+    if fmt.granularity == "tensor":
+        return stride_se, 0, 0, N, K
+    if fmt.granularity == "channel":
+        return stride_se, 1, 0, 1, K
+    return stride_se, scale.stride(-2), scale.stride(-1), fmt.block, fmt.block
+
+
+def grouped_matmul(x: torch.Tensor, proj, tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [M, K] (rows grouped by weight) -> [M, N]: each row tile (expert, start, end) times dequant(W_expert).T."""
+    N, K = proj.out_features, proj.in_features
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    data = proj.role("data")
+    w = data.view(torch.uint8)
+    stacked = proj.n_experts is not None
+    stride_se, stride_sn, stride_sk, sbn, sbk = _scale_layout(proj, N, K)
+    scale = proj.role("scale")
+    scale = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale.float()
+    g = proj.role("global") if proj.fmt.kind == "nvfp4" else None
+    g = (g.float().reshape(-1) if g is not None else torch.ones(1, device=x.device))
+    e4m3_lut, e2m1_lut = _luts(x.device)
+    expert, start, end = tiles
+    grid = (expert.numel(), triton.cdiv(N, BLOCK_N))
+    _packed_matmul_kernel[grid](
+        x, out, w, scale, g, e4m3_lut, e2m1_lut, expert, start, end,
+        N, K, x.stride(0), out.stride(0),
+        w.stride(0) if stacked else 0, w.stride(-2), stride_se, stride_sn, stride_sk, sbn, sbk,
+        KIND=_FP8 if proj.fmt.kind == "fp8" else _NVFP4, DIVISOR=bool(proj.fmt.divisor),
+        IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+    )
+    return out
+
+
+def _row_tiles(counts: torch.Tensor, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-expert row counts [E] -> (expert [tiles], start [tiles], end [tiles]) int32, rows grouped by expert."""
+    ends = torch.cumsum(counts, 0)
+    starts = ends - counts
+    n_tiles = (counts + block_m - 1) // block_m
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), n_tiles)
+    first = torch.repeat_interleave(torch.cumsum(n_tiles, 0) - n_tiles, n_tiles)
+    local = torch.arange(expert.numel(), device=counts.device) - first
+    start = starts[expert] + local * block_m
+    return expert.int(), start.int(), ends[expert].int()
+
+
+def linear(x: torch.Tensor, proj, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, dequant(W), bias)` for a `QuantLinear` (or any single `PackedWeight`), fused."""
+    flat = x.reshape(-1, x.shape[-1])
+    tiles = _row_tiles(torch.tensor([flat.shape[0]], device=x.device))
+    out = grouped_matmul(flat, proj, tiles)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], proj.out_features)
+
+
+def expert_bank(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bank) -> torch.Tensor:
+    """`QuantExpertBank.forward` with both projections fused: x [T, L], weights/ids [T, k] -> [T, L]."""
+    T, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    tiles = _row_tiles(torch.bincount(flat, minlength=bank.n_experts))
+    h = grouped_matmul(x[token_of], bank.up_proj, tiles)
+    y = grouped_matmul(torch.relu(h).square(), bank.down_proj, tiles)
+    y = y.float() * weights.reshape(-1)[order, None]
+    return torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device).index_add_(0, token_of, y).to(x.dtype)
