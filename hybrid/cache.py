@@ -26,10 +26,13 @@ class MambaState:
 
     conv: [B, conv_dim, conv_kernel - 1], model dtype: the last K-1 inputs of the causal conv.
     ssm: [B, mamba_num_heads, mamba_head_dim, ssm_state_size], fp32 (`mamba_ssm_cache_dtype`).
+    history: while a forward records (`HybridCache.begin(..., record=True)`), the (conv, ssm) state after
+        each of its tokens, so that `HybridCache.rollback` can return to any of them.
     """
 
     conv: torch.Tensor
     ssm: torch.Tensor
+    history: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 class KVCache:
@@ -72,12 +75,14 @@ class StepContext:
     past: int
     mask: torch.Tensor | None
     key_mask: torch.Tensor | None
+    record: bool = False
 
 
 class HybridCache:
     """Inference state for a batch of `batch_size` sequences (see the module docstring).
 
-    layers[i] is a `KVCache` for attention layers, a `MambaState` for Mamba layers, None otherwise.
+    layers[i] is a `KVCache` for attention layers, a `MambaState` for Mamba layers, None otherwise, one per
+    character of `pattern` (default: the main stack's; the MTP block's cache uses `config.mtp_pattern`).
     `seq_len` counts the positions stored (padding included); `key_mask` [B, seq_len] marks the real ones
     (None while every position is real).
     """
@@ -89,13 +94,16 @@ class HybridCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         capacity: int = 0,
+        pattern: str | None = None,
     ):
         self.batch_size = batch_size
+        self.device = torch.device(device)
         self.seq_len = 0
         self.key_mask: torch.Tensor | None = None
+        self._recorded = 0
         ssm_dtype = _DTYPES[config.mamba_ssm_cache_dtype]
         self.layers: list[KVCache | MambaState | None] = []
-        for kind in config.hybrid_override_pattern:
+        for kind in config.hybrid_override_pattern if pattern is None else pattern:
             if kind == ATTENTION:
                 self.layers.append(
                     KVCache(batch_size, config.num_key_value_heads, config.head_dim, dtype, device, capacity)
@@ -113,14 +121,19 @@ class HybridCache:
             else:
                 self.layers.append(None)
 
-    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None) -> StepContext:
+    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None, record: bool = False) -> StepContext:
         """Account for `num_tokens` new positions with real-token `mask` [B, T] (or None); return the context.
 
+        With `record`, the Mamba layers keep their state after each new token, so that `rollback` can later
+        keep only a prefix of them (speculative decoding verifies several draft tokens in one forward).
         Raises:
-            ValueError: the batch size differs from the cache's.
+            ValueError: the batch size differs from the cache's, or `record` is combined with padding.
         """
         if batch_size != self.batch_size:
             raise ValueError(f"input batch size {batch_size} does not match the cache's batch size {self.batch_size}")
+        if record and mask is not None:
+            raise ValueError("a recorded forward (for rollback) cannot carry padding")
+        self._recorded = num_tokens if record else 0
         past = self.seq_len
         if mask is not None or self.key_mask is not None:
             device = mask.device if mask is not None else self.key_mask.device
@@ -128,7 +141,75 @@ class HybridCache:
             new = mask if mask is not None else torch.ones(batch_size, num_tokens, dtype=torch.bool, device=device)
             self.key_mask = torch.cat([old, new], dim=1)
         self.seq_len = past + num_tokens
-        return StepContext(past=past, mask=mask, key_mask=self.key_mask)
+        return StepContext(past=past, mask=mask, key_mask=self.key_mask, record=record)
+
+    # ------------------------------------------------------------------------------------------ rollback
+    def rollback(self, keep: int) -> None:
+        """Keep the first `keep` tokens of the last recorded forward and forget the rest.
+
+        Attention layers simply stop at the new length (their later entries are overwritten by the next
+        forward); Mamba layers return to the state they recorded after token `keep`.
+        Raises:
+            ValueError: the last forward was not recorded, or `keep` is not in [1, its token count].
+        """
+        if not self._recorded:
+            raise ValueError("rollback needs a recorded forward (begin(..., record=True))")
+        if not 1 <= keep <= self._recorded:
+            raise ValueError(f"keep must be in [1, {self._recorded}], got {keep}")
+        self.seq_len -= self._recorded - keep
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask[:, : self.seq_len]
+        for layer in self.layers:
+            if isinstance(layer, MambaState) and layer.history is not None:
+                conv, ssm = layer.history[keep - 1]
+                layer.conv.copy_(conv)
+                layer.ssm.copy_(ssm)
+                layer.history = None
+        self._recorded = 0
+
+    def truncate(self, seq_len: int) -> None:
+        """Drop every position from `seq_len` on. Only for caches without Mamba layers (the MTP block's):
+        a Mamba state cannot be rewound without a recording.
+
+        Raises:
+            ValueError: the cache has Mamba layers, or `seq_len` exceeds the stored length.
+        """
+        if any(isinstance(layer, MambaState) for layer in self.layers):
+            raise ValueError("truncate cannot rewind Mamba states; record the forward and use rollback")
+        if not 0 <= seq_len <= self.seq_len:
+            raise ValueError(f"seq_len must be in [0, {self.seq_len}], got {seq_len}")
+        self.seq_len = seq_len
+        if self.key_mask is not None:
+            self.key_mask = self.key_mask[:, :seq_len]
+
+    def fill_rows(self, rows: list["HybridCache"]) -> None:
+        """Fill this empty cache, row by row, from batch-1 caches of the same model (copies).
+
+        Rows of different lengths are right-aligned, the earlier positions of shorter rows masked out, so
+        each row continues as it would alone (as with left padding).
+        Raises:
+            ValueError: this cache is not empty, or the row count or a row's batch size does not match.
+        """
+        if self.seq_len:
+            raise ValueError("fill_rows needs an empty cache")
+        if len(rows) != self.batch_size or any(r.batch_size != 1 for r in rows):
+            raise ValueError(f"fill_rows needs {self.batch_size} batch-1 caches")
+        S = max(r.seq_len for r in rows)
+        key_mask = torch.zeros(self.batch_size, S, dtype=torch.bool)
+        for b, row in enumerate(rows):
+            off = S - row.seq_len
+            key_mask[b, off:] = True if row.key_mask is None else row.key_mask[0].cpu()
+            for mine, theirs in zip(self.layers, row.layers):
+                if isinstance(mine, KVCache):
+                    if mine.k.shape[2] < S:
+                        mine._grow(S)
+                    mine.k[b, :, off:S] = theirs.k[0, :, : row.seq_len]
+                    mine.v[b, :, off:S] = theirs.v[0, :, : row.seq_len]
+                elif isinstance(mine, MambaState):
+                    mine.conv[b] = theirs.conv[0]
+                    mine.ssm[b] = theirs.ssm[0]
+        self.seq_len = S
+        self.key_mask = None if bool(key_mask.all()) else key_mask.to(self.device)
 
     # ------------------------------------------------------------------------------------------ sizes
     def kv_nbytes(self) -> int:

@@ -1,7 +1,8 @@
 """The `hybrid` command: `generate` text from a checkpoint, `info` about a checkpoint or config, `quantize`.
 
     hybrid generate [MODEL] --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-k K]
-                    [--top-p P] [--seed S] [--dtype D] [--act-quant] [--json]
+                    [--top-p P] [--seed S] [--dtype D] [--act-quant] [--speculative N]
+                    [--prefix-cache FILE [--prefix-block-size B]] [--json]
     hybrid info MODEL [--format fp8|nvfp4|mxfp4] [--json]
     hybrid quantize SRC DST --format fp8|nvfp4|mxfp4 [--exclude PATTERN ...] [--calibration-samples N]
 
@@ -40,7 +41,24 @@ def _generate(args) -> int:
         print("note: --top-k, --top-p and --seed only matter with --temperature > 0; decoding greedily", file=sys.stderr)
     if args.enable_thinking is not None and not args.chat:
         print("note: --enable-thinking only matters with --chat", file=sys.stderr)
+    if args.speculative and args.prefix_cache:
+        print("error: --speculative and --prefix-cache cannot be combined", file=sys.stderr)
+        return 2
     model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant)
+    if args.speculative and model.mtp is None:
+        print(f"error: --speculative needs an MTP block, and {args.model} has none (num_nextn_predict_layers: 0)",
+              file=sys.stderr)
+        return 2
+    prefix_cache = None
+    if args.prefix_cache:
+        from hybrid.prefix_cache import PrefixCache
+
+        prefix_cache = PrefixCache(model, block_size=args.prefix_block_size)
+        if Path(args.prefix_cache).exists():
+            try:
+                prefix_cache.load(args.prefix_cache)
+            except ValueError as e:
+                print(f"note: not reusing the prefix cache: {e}", file=sys.stderr)
 
     def stream(row: int, text: str) -> None:
         sys.stdout.write(text)
@@ -49,13 +67,20 @@ def _generate(args) -> int:
     chat_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
     (c,) = generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
-                    on_text=None if args.json else stream, **chat_kwargs)
+                    on_text=None if args.json else stream, speculative=args.speculative,
+                    prefix_cache=prefix_cache, **chat_kwargs)
+    if prefix_cache is not None:
+        prefix_cache.save(args.prefix_cache)
     summary = {
         "prompt_tokens": c.prompt_tokens, "generated_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
         "prefill_seconds": round(c.prefill_seconds, 4), "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 2),
         "decode_seconds": round(c.decode_seconds, 4),
         "decode_tokens_per_s": None if c.decode_tokens_per_s is None else round(c.decode_tokens_per_s, 2),
     }
+    if c.acceptance_rate is not None:
+        summary["draft_acceptance_rate"] = round(c.acceptance_rate, 4)
+    if prefix_cache is not None:
+        summary["prefix_cache_reused_tokens"] = prefix_cache.reused_tokens
     if args.json:
         print(json.dumps({"text": c.text, "token_ids": c.token_ids, **summary}))
     else:
@@ -63,7 +88,10 @@ def _generate(args) -> int:
         decode = "-" if c.decode_tokens_per_s is None else f"{summary['decode_tokens_per_s']} tok/s"
         print(
             f"[{c.prompt_tokens} prompt tokens: prefill {summary['prefill_tokens_per_s']} tok/s | "
-            f"{len(c.token_ids)} generated: decode {decode} | finish: {c.finish_reason}]",
+            f"{len(c.token_ids)} generated: decode {decode} | finish: {c.finish_reason}"
+            + (f" | drafts accepted: {c.acceptance_rate:.2f}" if c.acceptance_rate is not None else "")
+            + (f" | prefix cache: {prefix_cache.reused_tokens} tokens reused" if prefix_cache is not None else "")
+            + "]",
             file=sys.stderr,
         )
     return 0
@@ -182,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")
+    g.add_argument("--speculative", type=_positive_int, default=0, metavar="N",
+                   help="draft N tokens per step with the checkpoint's MTP block and verify them (same output)")
+    g.add_argument("--prefix-cache", default=None, metavar="FILE",
+                   help="safetensors file of cached prefix states: reused when it matches the model, then updated")
+    g.add_argument("--prefix-block-size", type=_positive_int, default=256,
+                   help="tokens per prefix-cache block (a snapshot per block)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=_generate)
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from hybrid.model import HybridForCausalLM
+
+if TYPE_CHECKING:
+    from hybrid.prefix_cache import PrefixCache
 
 
 @dataclass
@@ -23,6 +26,7 @@ class Completion:
     token_ids: the generated ids, the stop token included when `finish_reason == "stop"`.
     text: the decoded continuation without special tokens and without the stop token.
     finish_reason: "stop" (a stop id was produced) or "length" (`max_new_tokens` reached).
+    acceptance_rate: with speculative decoding, the share of drafted tokens the model accepted.
     prefill_seconds / decode_seconds: wall time of the batch's prefill (up to the first token) and of the
     decode steps after it; the rates count this row's tokens.
     """
@@ -33,6 +37,7 @@ class Completion:
     prefill_seconds: float
     decode_seconds: float
     text: str = ""
+    acceptance_rate: float | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -68,10 +73,12 @@ class SamplingParams:
             self.generator = torch.Generator().manual_seed(self.seed)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Next token ids [B] from logits [B, V] (fp32)."""
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are drawn from: softmax(logits / temperature) restricted to the top-k tokens
+    and to the smallest top-p prefix, renormalised. logits [B, V] -> probs [B, V] fp32; greedy (temperature
+    0) is the one-hot of the argmax."""
     if not params.temperature:
-        return logits.argmax(dim=-1)
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     logits = logits.float() / params.temperature
     if params.top_k is not None and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
@@ -81,7 +88,14 @@ def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = sorted_logits.softmax(dim=-1)
         drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = logits.softmax(dim=-1)
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Next token ids [B] from logits [B, V] (fp32)."""
+    if not params.temperature:
+        return logits.argmax(dim=-1)
+    probs = filtered_probs(logits, params)
     return torch.multinomial(probs.cpu(), 1, generator=params.generator)[:, 0].to(logits.device)
 
 
@@ -95,12 +109,15 @@ def generate_ids(
     pad_id: int = 0,
     prefill_chunk_size: int = 2048,
     on_tokens: Callable[[list[int | None]], None] | None = None,
+    prefix_cache: "PrefixCache | None" = None,
 ) -> list[Completion]:
     """Generate from token-id prompts (a batch, left-padded to a common length).
 
     Args:
         prompts: B lists of token ids, each non-empty.
         on_tokens: called after each step with the new token of each row (None for finished rows).
+        prefix_cache: a `hybrid.prefix_cache.PrefixCache` of this model: each prompt resumes from its
+            longest cached prefix and leaves its own blocks cached (rows are prefilled one by one).
     Returns:
         B `Completion`s (text empty; see `generate` for text).
     Raises:
@@ -123,10 +140,19 @@ def generate_ids(
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
 
     start = time.perf_counter()
-    for s in range(0, L, prefill_chunk_size):
-        logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
-                       logits_to_keep=1)
-    token = sample(logits[:, -1], sampling)
+    if prefix_cache is not None:
+        rows = [prefix_cache.prefill(p, capacity=len(p) + max_new_tokens) for p in prompts]
+        if B == 1:
+            cache = rows[0][0]
+        else:
+            cache.fill_rows([row_cache for row_cache, _ in rows])
+        last = torch.cat([row_logits for _, row_logits in rows])
+    else:
+        for s in range(0, L, prefill_chunk_size):
+            logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
+                           logits_to_keep=1)
+        last = logits[:, -1]
+    token = sample(last, sampling)
     prefill_done = time.perf_counter()
 
     out: list[list[int]] = [[] for _ in range(B)]
@@ -195,20 +221,31 @@ def generate(
     seed: int | None = None,
     chat: bool = False,
     on_text: Callable[[int, str], None] | None = None,
+    speculative: int = 0,
+    prefix_cache: "PrefixCache | None" = None,
     **chat_kwargs,
 ) -> list[Completion]:
     """Generate text for one prompt or a batch of prompts.
 
     Args:
         prompts: a string or a list of strings (a batch; rows are left-padded and independent).
+        speculative: draft this many tokens per step with the model's MTP block and verify them
+            (`hybrid.speculative`; one prompt only; the output distribution is unchanged).
+        prefix_cache: reuse and extend the cached state of earlier prompts' prefixes
+            (`hybrid.prefix_cache.PrefixCache`; not combined with `speculative`).
         chat: wrap each prompt as a user message and render the checkpoint's chat template
             (`chat_kwargs`, e.g. `enable_thinking=False`, reach the template).
         on_text: streaming callback `(row, new_text)` called as text is produced.
     Returns:
-        A list of `Completion`s, one per prompt, with `.text`, `.token_ids`, `.finish_reason`.
+        A list of `Completion`s, one per prompt, with `.text`, `.token_ids`, `.finish_reason` (and
+        `.acceptance_rate` of the drafts when speculative).
+    Raises:
+        ValueError: speculative with several prompts, with a prefix cache, or without an MTP block.
     """
     if isinstance(prompts, str):
         prompts = [prompts]
+    if speculative and (len(prompts) != 1 or prefix_cache is not None):
+        raise ValueError("speculative decoding takes one prompt and no prefix cache")
     if chat:
         ids = [tokenizer.encode_chat([{"role": "user", "content": p}], **chat_kwargs) for p in prompts]
     else:
@@ -217,7 +254,16 @@ def generate(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = _TextStream(tokenizer, len(ids), on_text, stop_ids) if on_text else None
     sampling = SamplingParams(temperature, top_k, top_p, seed)
-    completions = generate_ids(model, ids, max_new_tokens, sampling, stop_ids, pad, on_tokens=stream)
+    if speculative:
+        from hybrid.speculative import speculative_generate_ids
+
+        c, stats = speculative_generate_ids(model, ids[0], max_new_tokens, speculative, sampling, stop_ids,
+                                            on_tokens=stream)
+        c.acceptance_rate = stats.acceptance_rate
+        completions = [c]
+    else:
+        completions = generate_ids(model, ids, max_new_tokens, sampling, stop_ids, pad, on_tokens=stream,
+                                   prefix_cache=prefix_cache)
     for c in completions:
         body = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
         c.text = tokenizer.decode(body)

@@ -163,17 +163,45 @@ class HybridForCausalLM(nn.Module):
         """An empty inference state for `batch_size` sequences (KV preallocated for `capacity` positions)."""
         return HybridCache(self.config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity)
 
+    def new_mtp_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
+        """An empty inference state for the MTP block's layers (see `mtp_step`)."""
+        if self.mtp is None:
+            raise ValueError("this model has no MTP block (num_nextn_predict_layers is 0)")
+        return HybridCache(self.config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity,
+                           pattern=self.config.mtp_pattern)
+
+    def mtp_step(self, hidden: torch.Tensor, next_ids: torch.Tensor, mtp_cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the MTP block over new positions on its own cache.
+
+        hidden: [B, T, H] normalised hidden states (the main model's, from `forward(..., return_hidden=True)`,
+        or the block's own output when drafting recursively); next_ids: [B, T] the token after each position.
+        Returns (logits [B, T, V] float32 for the token after `next_ids`, the block's output [B, T, H]).
+        """
+        ctx = mtp_cache.begin(next_ids.shape[0], next_ids.shape[1], None)
+        out = self.mtp(hidden, self.backbone.embeddings(next_ids), ctx, mtp_cache.layers)
+        return self.lm_head(out).float(), out
+
     def forward(
         self,
         input_ids: torch.Tensor,
         cache: HybridCache | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-    ) -> torch.Tensor:
-        h = self.hidden_states(input_ids, cache, attention_mask)
+        record: bool = False,
+        return_hidden: bool = False,
+    ):
+        """Logits [B, T, V] float32 (or the last `logits_to_keep` positions).
+
+        record: keep per-token Mamba states so that `cache.rollback` can undo a suffix of these tokens.
+        return_hidden: also return the normalised hidden states [B, T, H] that `lm_head` reads (the
+            input of the MTP block), as `(logits, hidden)`.
+        """
+        h = self.hidden_states(input_ids, cache, attention_mask, record)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return self.lm_head(self.backbone.norm_f(h)).float()
+        h = self.backbone.norm_f(h)
+        logits = self.lm_head(h).float()
+        return (logits, h) if return_hidden else logits
 
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the token after `next_ids` from the MTP block, without a cache (training, tests).
@@ -187,14 +215,15 @@ class HybridForCausalLM(nn.Module):
         return self.lm_head(out).float()
 
     def hidden_states(
-        self, input_ids: torch.Tensor, cache: HybridCache | None = None, attention_mask: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, cache: HybridCache | None = None, attention_mask: torch.Tensor | None = None,
+        record: bool = False,
     ) -> torch.Tensor:
         """The last layer's output before `norm_f`: [B, T, hidden_size] in the model dtype."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         mask = self._token_mask(attention_mask, B, T, cache)
-        ctx = cache.begin(B, T, mask) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
+        ctx = cache.begin(B, T, mask, record) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
         h = self.backbone.embeddings(input_ids)
         for i, block in enumerate(self.backbone.layers):
             h = block(h, ctx, cache.layers[i] if cache is not None else None)

@@ -84,3 +84,33 @@ def test_one_token_has_no_decode_speed(ckpt):
     assert r.returncode == 0, r.stderr
     assert "1 generated: decode - |" in r.stderr
     assert "only matter with --temperature > 0" in r.stderr
+
+
+def test_speculative_gives_the_plain_greedy_text(tmp_path):
+    mtp_ckpt = write_checkpoint(tmp_path / "mtp", pattern="ME*-M", seed=6, num_nextn_predict_layers=1,
+                                mtp_pattern="*E")
+    args = ["generate", str(mtp_ckpt), "--prompt", "The pass key is 12345.", "--max-new-tokens", "16", "--json"]
+    plain, spec = run(*args), run(*args, "--speculative", "3")
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    plain, spec = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert 0.0 <= spec["draft_acceptance_rate"] <= 1.0 and "draft_acceptance_rate" not in plain
+
+
+def test_speculative_needs_an_mtp_block(ckpt):
+    r = run("generate", str(ckpt), "--prompt", "hi", "--speculative", "2")
+    assert r.returncode == 2 and "MTP block" in r.stderr and str(ckpt) in r.stderr
+
+
+def test_prefix_cache_file_is_reused_across_runs(ckpt, tmp_path):
+    store = tmp_path / "prefix.safetensors"
+    prompt = "The grass is green. The sky is blue. The sun is yellow. What color is the grass?"
+    args = ["generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", "8", "--json",
+            "--prefix-cache", str(store), "--prefix-block-size", "4"]
+    first, second = run(*args), run(*args)
+    assert first.returncode == 0 and second.returncode == 0, second.stderr
+    first, second = json.loads(first.stdout), json.loads(second.stdout)
+    assert store.exists() and first["prefix_cache_reused_tokens"] == 0
+    n = first["prompt_tokens"]
+    assert second["prefix_cache_reused_tokens"] == (n - 1) // 4 * 4 > 0
+    assert second["token_ids"] == first["token_ids"]

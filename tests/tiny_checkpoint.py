@@ -46,17 +46,15 @@ def write_tokenizer(directory: Path) -> None:
     (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
 
 
-def write_checkpoint(directory: Path, pattern: str = "M*E-", seed: int = 0, max_shard_bytes: int | None = None,
-                     **overrides) -> Path:
-    """Build a random fp32 model of `pattern` with our classes, save it with tokenizer files; return the dir."""
-    directory = Path(directory)
+def random_model(pattern: str = "M*E-", seed: int = 0, scale: float = 0.3, **overrides):
+    """A random fp32 model of `pattern` with our classes (TINY sizes; `overrides` replace config fields)."""
     config = HybridConfig(hybrid_override_pattern=pattern, **{**TINY, **overrides})
     config.validate()
     model = build_model(config, torch.float32, device="cpu")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
             if name.endswith("A_log"):
                 p.copy_(torch.log(torch.rand(p.shape, generator=g) * 8 + 1))
             elif name.endswith("dt_bias"):
@@ -65,6 +63,13 @@ def write_checkpoint(directory: Path, pattern: str = "M*E-", seed: int = 0, max_
                 p.add_(1.0)
         for name, b in model.named_buffers():
             b.copy_(torch.randn(b.shape, generator=g) * 0.05)
-    save_checkpoint(model, directory, max_shard_bytes=max_shard_bytes)
+    return model.eval()
+
+
+def write_checkpoint(directory: Path, pattern: str = "M*E-", seed: int = 0, max_shard_bytes: int | None = None,
+                     **overrides) -> Path:
+    """Save a `random_model(pattern, seed, **overrides)` with tokenizer files; return the directory."""
+    directory = Path(directory)
+    save_checkpoint(random_model(pattern, seed, **overrides), directory, max_shard_bytes=max_shard_bytes)
     write_tokenizer(directory)
     return directory

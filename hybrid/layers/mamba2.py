@@ -54,11 +54,15 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None, state: MambaState | None = None) -> torch.Tensor:
         b, T, _ = x.shape
         mask = ctx.mask if ctx is not None else None
+        record = state is not None and ctx is not None and ctx.record
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
 
-        xBC = self._conv(xBC, mask, state)
+        if record:
+            xBC, windows = self._conv_recorded(xBC, state)
+        else:
+            xBC = self._conv(xBC, mask, state)
         xs, B, C = xBC.split([self.d_inner, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1)
 
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)  # [b, T, nh]
@@ -69,7 +73,13 @@ class Mamba2Mixer(nn.Module):
         B = B.view(b, T, self.n_groups, self.ssm_state_size)
         C = C.view(b, T, self.n_groups, self.ssm_state_size)
 
-        if state is not None and T == 1:
+        if record:  # one recurrent step per token, keeping the state after each (HybridCache.rollback)
+            ys, state.history = [], []
+            for t in range(T):
+                ys.append(ssd_step(xs[:, t], dt[:, t], A, B[:, t], C[:, t], state.ssm))
+                state.history.append((windows[t], state.ssm.clone()))
+            y = torch.stack(ys, dim=1)
+        elif state is not None and T == 1:
             y = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)[:, None]
         else:
             y, final = ssd_scan(xs, dt, A, B, C, self.chunk_size, None if state is None else state.ssm)
@@ -78,6 +88,18 @@ class Mamba2Mixer(nn.Module):
         y = y + self.D.float()[:, None] * xs.float()
         y = self.norm(y.reshape(b, T, self.d_inner), z, out_dtype=x.dtype)
         return self.out_proj(y)
+
+    def _conv_recorded(self, xBC: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The conv + SiLU one token at a time: (output [b, T, conv_dim], the window after each token).
+
+        Only the small recurrences (conv window, SSM state) step token by token when recording; the
+        projections around them run once over all tokens, so verifying n drafts reads the weights once."""
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        outs, windows = [], []
+        for t in range(xBC.shape[1]):
+            outs.append(conv_step(xBC[:, t], state.conv, weight, bias))
+            windows.append(state.conv.clone())
+        return torch.stack(outs, dim=1), windows
 
     def _conv(self, xBC: torch.Tensor, mask: torch.Tensor | None, state: MambaState | None) -> torch.Tensor:
         """Causal conv + SiLU over [b, T, conv_dim], continuing and updating the cached window.

@@ -1,0 +1,258 @@
+"""Prefix caching of the whole hybrid inference state ("static content first").
+
+A prompt that starts with tokens an earlier prompt already ran (a system prompt, tool definitions, a
+document) resumes from the state the earlier prefill left after them instead of recomputing it. For a
+hybrid model that state is every attention layer's keys and values *and* every Mamba layer's conv window
+and SSM state; the Mamba part cannot be rebuilt from a KV cache, so it is snapshotted.
+
+Layout (as vLLM's automatic prefix caching, with Mamba states as in its hybrid-model prefix caching):
+- Prompts are cut into blocks of `block_size` tokens. Block i is named by a hash chain,
+  `digest_i = sha256(digest_{i-1} || tokens of block i)`, with `digest_{-1}` the model's identity, so one
+  digest names the entire prefix up to the end of its block, and the longest cached prefix of a prompt is
+  found by walking the chain.
+- Each block is a node of a tree. A node holds the keys and values of its own block's tokens (every
+  attention layer; the KV of a prefix is the concatenation along the path, so storage is linear in the
+  prefix) and the Mamba states at the block's end (constant size per node).
+- Memory is bounded: `max_bytes` over all nodes, least recently used leaves evicted first (a node's
+  descendants need its keys and values, so inner nodes go only after their children).
+- Reuse copies the snapshot into the request's cache; nothing is aliased, so a request's decoding never
+  changes what a later request sees.
+
+A hit must leave at least one prompt token to run (its logits give the first new token), so a prompt of
+L tokens reuses at most floor((L - 1) / block_size) blocks. Prefixes shorter than a block are not cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hybrid.cache import HybridCache, KVCache, MambaState
+from hybrid.model import HybridForCausalLM
+
+
+def model_identity(model: HybridForCausalLM) -> str:
+    """A hex digest naming a model's weights and layout: its config, dtype, and every tensor's name, shape,
+    dtype and first and last elements (a fingerprint, not a full hash: cheap even for a 30B model)."""
+    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
+    h.update(str(model.dtype).encode())
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class _Node:
+    """One cached block: its tokens' KV per attention layer and the Mamba states at its end."""
+
+    digest: str
+    parent: str | None
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per attention layer: k, v [num_key_value_heads, block, head_dim]
+    mamba: list[tuple[torch.Tensor, torch.Tensor]]  # per Mamba layer: conv [conv_dim, K-1], ssm [heads, head_dim, state]
+    children: int = 0
+    nbytes: int = field(init=False)
+
+    def __post_init__(self):
+        self.nbytes = sum(t.nelement() * t.element_size() for pair in self.kv + self.mamba for t in pair)
+
+
+class PrefixCache:
+    """Snapshots of the inference state at block boundaries of earlier prompts, for one model.
+
+    Args:
+        model: the model whose states are cached (its identity keys the cache and saved files).
+        block_size: tokens per block; smaller blocks find longer hits but store one Mamba snapshot
+            (`HybridCache.state_nbytes()` of one sequence) per block.
+        max_bytes: bound on the bytes of all snapshots (least recently used leaves evicted first).
+    Raises:
+        ValueError: block_size < 1 or max_bytes < 0.
+    """
+
+    def __init__(self, model: HybridForCausalLM, block_size: int = 256, max_bytes: int = 2**30):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.model = model
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self.identity = model_identity(model)
+        self._nodes: OrderedDict[str, _Node] = OrderedDict()  # least recently used first
+        self.hits = self.misses = 0
+        self.reused_tokens = 0
+
+    # ------------------------------------------------------------------------------------------ public
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all snapshots."""
+        return sum(node.nbytes for node in self._nodes.values())
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def match(self, prompt: list[int]) -> int:
+        """Number of leading prompt tokens a prefill would reuse (a multiple of block_size, < len(prompt))."""
+        return len(self._path(prompt)) * self.block_size
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], capacity: int = 0) -> tuple[HybridCache, torch.Tensor]:
+        """Run `prompt` into a fresh batch-1 cache, reusing the longest cached prefix and caching every
+        full block it computes.
+
+        Returns (the cache, holding all of `prompt`; logits [1, V] float32 after its last token).
+        Raises:
+            ValueError: an empty prompt.
+        """
+        if not prompt:
+            raise ValueError("prompt must be a non-empty list of token ids")
+        path = self._path(prompt)
+        cache = self._restore(path, max(capacity, len(prompt)))
+        if path:
+            self.hits += 1
+            self.reused_tokens += len(path) * self.block_size
+        else:
+            self.misses += 1
+        parent = path[-1].digest if path else self.identity
+        bs, pos = self.block_size, len(path) * self.block_size
+        keep = {n.digest for n in path}  # the path in use is never evicted while it is extended
+        logits = None
+        while pos < len(prompt):
+            end = min((pos // bs + 1) * bs, len(prompt))
+            ids = torch.tensor([prompt[pos:end]], device=self.model.device)
+            logits = self.model(ids, cache, logits_to_keep=1)[:, -1]
+            if end % bs == 0:
+                parent = self._insert(parent, prompt[end - bs : end], cache, end, keep)
+                keep.add(parent)
+            pos = end
+        self._evict(keep=set())
+        return cache, logits
+
+    # ------------------------------------------------------------------------------------------ persistence
+    def save(self, path: str | Path) -> None:
+        """Write every snapshot to one safetensors file, with the model identity and tree in its metadata."""
+        from safetensors.torch import save_file
+
+        def depth(node: _Node) -> int:
+            d = 0
+            while node.parent is not None:
+                node, d = self._nodes[node.parent], d + 1
+            return d
+
+        tensors, nodes = {}, []
+        for i, node in enumerate(sorted(self._nodes.values(), key=depth)):  # parents before children
+            nodes.append({"digest": node.digest, "parent": node.parent})
+            for j, (k, v) in enumerate(node.kv):
+                tensors[f"{i}.kv.{j}.k"], tensors[f"{i}.kv.{j}.v"] = k.contiguous(), v.contiguous()
+            for j, (conv, ssm) in enumerate(node.mamba):
+                tensors[f"{i}.mamba.{j}.conv"], tensors[f"{i}.mamba.{j}.ssm"] = conv.contiguous(), ssm.contiguous()
+        meta = {"identity": self.identity, "block_size": str(self.block_size), "nodes": json.dumps(nodes)}
+        save_file(tensors, str(path), metadata=meta)
+
+    def load(self, path: str | Path) -> int:
+        """Add the snapshots saved in `path` (see `save`); returns how many were added.
+
+        Raises:
+            ValueError: the file was written for another model (identity) or another block size, or it
+                lacks a tensor its node list names.
+        """
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt", device=str(self.model.device)) as f:
+            meta = f.metadata() or {}
+            if meta.get("identity") != self.identity:
+                raise ValueError(f"{path}: prefix cache was written for another model (identity "
+                                 f"{meta.get('identity', 'missing')[:12]}, this model {self.identity[:12]})")
+            if meta.get("block_size") != str(self.block_size):
+                raise ValueError(f"{path}: block_size {meta.get('block_size')} differs from {self.block_size}")
+            keys = set(f.keys())
+            layers = self.model.new_cache(1).layers
+            n_kv = sum(isinstance(layer, KVCache) for layer in layers)
+            n_mamba = sum(isinstance(layer, MambaState) for layer in layers)
+            added = 0
+            for i, entry in enumerate(json.loads(meta["nodes"])):
+                def get(name):
+                    if f"{i}.{name}" not in keys:
+                        raise ValueError(f"{path}: missing tensor {i}.{name}")
+                    return f.get_tensor(f"{i}.{name}")
+
+                kv = [(get(f"kv.{j}.k"), get(f"kv.{j}.v")) for j in range(n_kv)]
+                mamba = [(get(f"mamba.{j}.conv"), get(f"mamba.{j}.ssm")) for j in range(n_mamba)]
+                parent = entry["parent"]
+                if entry["digest"] not in self._nodes and (parent is None or parent in self._nodes):
+                    self._add(_Node(entry["digest"], parent, kv, mamba))
+                    added += 1
+        self._evict(keep=set())
+        return added
+
+    # ------------------------------------------------------------------------------------------ internals
+    def _digest(self, parent: str, block: list[int]) -> str:
+        return hashlib.sha256(parent.encode() + torch.tensor(block, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+    def _path(self, prompt: list[int]) -> list[_Node]:
+        """Cached nodes along `prompt`'s chain, stopping before the block holding its last token."""
+        path, digest = [], self.identity
+        for start in range(0, len(prompt) - 1 - self.block_size + 1, self.block_size):
+            digest = self._digest(digest, prompt[start : start + self.block_size])
+            node = self._nodes.get(digest)
+            if node is None:
+                break
+            path.append(node)
+        for node in path:
+            self._nodes.move_to_end(node.digest)
+        return path
+
+    def _restore(self, path: list[_Node], capacity: int) -> HybridCache:
+        """A batch-1 cache holding the snapshot at the end of `path` (copied, never aliased)."""
+        cache = self.model.new_cache(1, capacity)
+        n = len(path) * self.block_size
+        if not path:
+            return cache
+        kv_layers = [layer for layer in cache.layers if isinstance(layer, KVCache)]
+        for j, layer in enumerate(kv_layers):
+            k = torch.cat([node.kv[j][0] for node in path], dim=1)[None]
+            v = torch.cat([node.kv[j][1] for node in path], dim=1)[None]
+            layer.write(k, v, 0)
+        mamba_layers = [layer for layer in cache.layers if isinstance(layer, MambaState)]
+        for j, layer in enumerate(mamba_layers):
+            layer.conv[0].copy_(path[-1].mamba[j][0])
+            layer.ssm[0].copy_(path[-1].mamba[j][1])
+        cache.seq_len = n
+        return cache
+
+    def _insert(self, parent: str, block: list[int], cache: HybridCache, end: int, keep: set[str]) -> str:
+        """Snapshot `cache` (batch 1, `end` positions, ending with `block`) as the child of `parent`."""
+        digest = self._digest(parent, block)
+        if digest in self._nodes:
+            self._nodes.move_to_end(digest)
+            return digest
+        start = end - self.block_size
+        kv = [(layer.k[0, :, start:end].clone(), layer.v[0, :, start:end].clone())
+              for layer in cache.layers if isinstance(layer, KVCache)]
+        mamba = [(layer.conv[0].clone(), layer.ssm[0].clone()) for layer in cache.layers if isinstance(layer, MambaState)]
+        self._add(_Node(digest, None if parent == self.identity else parent, kv, mamba))
+        self._evict(keep | {digest})
+        return digest
+
+    def _add(self, node: _Node) -> None:
+        if node.parent is not None:
+            self._nodes[node.parent].children += 1
+        self._nodes[node.digest] = node
+
+    def _evict(self, keep: set[str]) -> None:
+        """Drop least recently used leaves until the bound holds (never one in `keep`)."""
+        total = self.nbytes
+        while total > self.max_bytes:
+            victim = next((n for n in self._nodes.values() if n.children == 0 and n.digest not in keep), None)
+            if victim is None:
+                return
+            del self._nodes[victim.digest]
+            if victim.parent is not None and victim.parent in self._nodes:
+                self._nodes[victim.parent].children -= 1
+            total -= victim.nbytes

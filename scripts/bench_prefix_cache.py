@@ -1,0 +1,118 @@
+"""Time to first token with and without the prefix cache, and what a snapshot costs.
+
+    python scripts/bench_prefix_cache.py                                  # the default checkpoint
+    python scripts/bench_prefix_cache.py --config checkpoints/configs/bench-medium.config.json
+
+A long shared prefix (a document: `--prefix-tokens`, default 8192) is followed by a short question
+(`--question-tokens`). Measured in one run, on the same model and threads, each a median of `--repeats`:
+- cold: a prefill of prefix + question with no cache (what every request pays without one);
+- warm: the same request after the prefix was cached by an earlier request (restore + the question);
+- the greedy first token of both (must be equal) and the snapshot bytes: the Mamba part (constant per
+  block) and the attention part (linear in the prefix).
+With `--config` the model is built with random weights (`hybrid.training.init_weights`) in `--dtype`.
+Prints a table and writes JSON to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hybrid.cache import KVCache
+from hybrid.config import HybridConfig
+from hybrid.loading import build_model, load
+from hybrid.prefix_cache import PrefixCache
+from hybrid.training import init_weights
+
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "hybrid-mini"
+
+
+def build(args):
+    if args.config:
+        config = HybridConfig.from_file(args.config)
+        model = build_model(config, torch.float32, device="cpu")
+        init_weights(model, seed=0)
+        return model.cast(getattr(torch, args.dtype)).eval(), Path(args.config).name
+    model, _ = load(args.checkpoint or DEFAULT_CHECKPOINT, dtype=args.dtype)
+    return model.eval(), str(args.checkpoint or DEFAULT_CHECKPOINT.name)
+
+
+@torch.inference_mode()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint", nargs="?", default=None, help="checkpoint directory (default: the shipped one)")
+    p.add_argument("--config", default=None, help="config.json to build with random weights instead")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--prefix-tokens", type=int, default=8192)
+    p.add_argument("--question-tokens", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path("prefix_cache_bench.json"))
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, name = build(args)
+    V = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, V, (args.prefix_tokens,), generator=g).tolist()
+    questions = [torch.randint(3, V, (args.question_tokens,), generator=g).tolist() for _ in range(args.repeats + 1)]
+
+    def cold(prompt):
+        cache = model.new_cache(1, len(prompt) + 1)
+        start = time.perf_counter()
+        for s in range(0, len(prompt), 2048):  # the same chunked prefill as hybrid.generate
+            logits = model(torch.tensor([prompt[s:s + 2048]]), cache, logits_to_keep=1)
+        return time.perf_counter() - start, int(logits[0, -1].argmax())
+
+    prefix_cache = PrefixCache(model, block_size=args.block_size, max_bytes=1 << 40)
+    start = time.perf_counter()
+    prefix_cache.prefill(prefix + questions[0])  # the earlier request that leaves the prefix cached
+    first_request = time.perf_counter() - start
+
+    cold_s, warm_s, same = [], [], True
+    for q in questions[1:]:
+        seconds, token_cold = cold(prefix + q)
+        cold_s.append(seconds)
+        start = time.perf_counter()
+        _, logits = prefix_cache.prefill(prefix + q)
+        warm_s.append(time.perf_counter() - start)
+        same &= int(logits[0].argmax()) == token_cold
+
+    probe = model.new_cache(1)
+    mamba_bytes = probe.state_nbytes()
+    kv_per_token = sum(2 * layer.k.shape[1] * layer.k.shape[3] * layer.k.element_size()
+                       for layer in probe.layers if isinstance(layer, KVCache))
+    blocks = args.prefix_tokens // args.block_size
+    result = {
+        "model": name, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "prefix_tokens": args.prefix_tokens, "question_tokens": args.question_tokens, "block_size": args.block_size,
+        "reused_tokens": prefix_cache.match(prefix + questions[1]),
+        "ttft_cold_s": statistics.median(cold_s), "ttft_warm_s": statistics.median(warm_s),
+        "speedup": statistics.median(cold_s) / statistics.median(warm_s),
+        "first_request_with_snapshots_s": first_request,
+        "same_first_token": same,
+        "snapshot_mamba_bytes_per_block": mamba_bytes,
+        "snapshot_kv_bytes_per_token": kv_per_token,
+        "snapshot_bytes_for_prefix": blocks * mamba_bytes + blocks * args.block_size * kv_per_token,
+        "cache_bytes_held": prefix_cache.nbytes,
+    }
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{name} ({args.dtype}, {result['threads']} threads): {args.prefix_tokens}-token shared prefix + "
+          f"{args.question_tokens}-token question")
+    print(f"  time to first token: cold {result['ttft_cold_s']:.3f} s, with the prefix cached "
+          f"{result['ttft_warm_s']:.3f} s ({result['speedup']:.1f}x); same first token: {same}")
+    print(f"  snapshot: {mamba_bytes:,} B Mamba state per block + {kv_per_token:,} B KV per token "
+          f"= {result['snapshot_bytes_for_prefix']:,} B for the prefix ({blocks} blocks of {args.block_size})")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
