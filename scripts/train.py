@@ -1,7 +1,7 @@
 """Train a small hybrid Mamba-2 / attention / MoE model from scratch on the CPU and save it as a
 published-style checkpoint (the project's default checkpoint is made with this script).
 
-    python scripts/train.py --out checkpoints/hybrid-mini --time-budget 60     # the shipped checkpoint
+    python scripts/train.py --out checkpoints/hybrid-mini --time-budget 60 --eval-every 300   # the shipped checkpoint
 
 Data, all offline: English prose from the Python documentation that ships with CPython
 (`pydoc_data.topics`, plus docstrings of common standard-library modules), mixed with synthetic
