@@ -49,7 +49,7 @@ def _generate(args) -> int:
         print(f"error: --speculative needs an MTP block, and {args.model} has none (num_nextn_predict_layers: 0)",
               file=sys.stderr)
         return 2
-    prefix_cache = None
+    prefix_cache, save_prefix_cache = None, True
     if args.prefix_cache:
         from hybrid.prefix_cache import PrefixCache
 
@@ -57,8 +57,9 @@ def _generate(args) -> int:
         if Path(args.prefix_cache).exists():
             try:
                 prefix_cache.load(args.prefix_cache)
-            except ValueError as e:
-                print(f"note: not reusing the prefix cache: {e}", file=sys.stderr)
+            except ValueError as e:  # another model's or block size's file: use it neither way, keep it intact
+                print(f"note: not using the prefix cache (left unchanged): {e}", file=sys.stderr)
+                save_prefix_cache = False
 
     def stream(row: int, text: str) -> None:
         sys.stdout.write(text)
@@ -69,7 +70,7 @@ def _generate(args) -> int:
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
                     on_text=None if args.json else stream, speculative=args.speculative,
                     prefix_cache=prefix_cache, **chat_kwargs)
-    if prefix_cache is not None:
+    if prefix_cache is not None and save_prefix_cache:
         prefix_cache.save(args.prefix_cache)
     summary = {
         "prompt_tokens": c.prompt_tokens, "generated_tokens": len(c.token_ids), "finish_reason": c.finish_reason,

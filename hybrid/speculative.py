@@ -89,9 +89,11 @@ def speculative_generate_ids(
     drafter: replaces the MTP block, for tests: `drafter(position, tokens_so_far) -> (token, probs [V])`.
     Returns the `Completion` (as `hybrid.generate.generate_ids` would give) and the draft statistics.
     Raises:
-        ValueError: an empty prompt, num_draft < 1, a model without an MTP block and no drafter, or an MTP
+        ValueError: a tensor or empty prompt (a list of ids is expected), num_draft < 1, a model without an MTP block and no drafter, or an MTP
             block with Mamba layers (published ones are `*E`; their draft positions could not be dropped).
     """
+    if isinstance(prompt, torch.Tensor):
+        raise ValueError("prompt must be a list of token ids, not a tensor (use prompt.tolist())")
     if not prompt:
         raise ValueError("prompt must be a non-empty list of token ids")
     if num_draft < 1:

@@ -114,3 +114,14 @@ def test_prefix_cache_file_is_reused_across_runs(ckpt, tmp_path):
     n = first["prompt_tokens"]
     assert second["prefix_cache_reused_tokens"] == (n - 1) // 4 * 4 > 0
     assert second["token_ids"] == first["token_ids"]
+
+
+def test_prefix_cache_file_of_another_block_size_is_left_intact(ckpt, tmp_path):
+    store = tmp_path / "prefix.safetensors"
+    args = ["generate", str(ckpt), "--prompt", "The grass is green. The sky is blue. The sun is yellow.",
+            "--max-new-tokens", "4", "--json", "--prefix-cache", str(store)]
+    assert run(*args, "--prefix-block-size", "4").returncode == 0
+    before = store.read_bytes()
+    r = run(*args, "--prefix-block-size", "8")
+    assert r.returncode == 0 and "block_size 4 differs from 8" in r.stderr
+    assert json.loads(r.stdout)["prefix_cache_reused_tokens"] == 0 and store.read_bytes() == before

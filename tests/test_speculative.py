@@ -109,6 +109,8 @@ def test_sampling_keeps_the_target_distribution():
 
 
 def test_arguments(model):
+    with pytest.raises(ValueError, match="not a tensor"):
+        speculative_generate_ids(model, torch.tensor(PROMPT))
     with pytest.raises(ValueError, match="num_draft"):
         speculative_generate_ids(model, PROMPT, num_draft=0)
     plain = make_model()
