@@ -148,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         gc.collect()
     report = write_report(out, args.threshold, plots=not args.no_plots)
     print(report.summary_text, end="")
-    print(f"wrote {out / RECORDS_FILE}, {len(report.pivots)} pivot CSVs, {report.summary_md.name}"
-          + ("" if args.no_plots else f", {len(report.heatmaps)} heatmaps and {report.length_plot.name}"),
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}" + ("" if n == 1 else "s")
+
+    print(f"wrote {out / RECORDS_FILE}, {count(len(report.pivots), 'pivot CSV')}, {report.summary_csv.name}, "
+          f"{report.summary_md.name}"
+          + ("" if args.no_plots else f", {count(len(report.heatmaps), 'heatmap')} and {report.length_plot.name}"),
           file=sys.stderr)
     return 0
 
