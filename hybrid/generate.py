@@ -136,7 +136,6 @@ def generate_ids(
         ids[row, L - len(p):] = torch.tensor(p)
         mask[row, L - len(p):] = True
     ids, mask = ids.to(device), mask.to(device)
-    cache = model.new_cache(B, capacity=L + max_new_tokens)
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
 
     start = time.perf_counter()
@@ -145,9 +144,11 @@ def generate_ids(
         if B == 1:
             cache = rows[0][0]
         else:
+            cache = model.new_cache(B, capacity=L + max_new_tokens)
             cache.fill_rows([row_cache for row_cache, _ in rows])
         last = torch.cat([row_logits for _, row_logits in rows])
     else:
+        cache = model.new_cache(B, capacity=L + max_new_tokens)
         for s in range(0, L, prefill_chunk_size):
             logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
                            logits_to_keep=1)

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from hybrid.cache import HybridCache, KVCache, MambaState
+from hybrid.config import ATTENTION, MAMBA
 from hybrid.model import HybridForCausalLM
 
 
@@ -172,9 +173,8 @@ class PrefixCache:
             if meta.get("block_size") != str(self.block_size):
                 raise ValueError(f"{path}: block_size {meta.get('block_size')} differs from {self.block_size}")
             keys = set(f.keys())
-            layers = self.model.new_cache(1).layers
-            n_kv = sum(isinstance(layer, KVCache) for layer in layers)
-            n_mamba = sum(isinstance(layer, MambaState) for layer in layers)
+            n_kv = len(self.model.config.layer_indices(ATTENTION))
+            n_mamba = len(self.model.config.layer_indices(MAMBA))
             added = 0
             for i, entry in enumerate(json.loads(meta["nodes"])):
                 def get(name):

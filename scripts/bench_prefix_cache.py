@@ -25,12 +25,13 @@ from pathlib import Path
 import torch
 
 from hybrid.cache import KVCache
+from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.config import HybridConfig
+from hybrid.generate import generate_ids
 from hybrid.loading import build_model, load
 from hybrid.prefix_cache import PrefixCache
 from hybrid.training import init_weights
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "hybrid-mini"
 
 
 def build(args):
@@ -66,11 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     questions = [torch.randint(3, V, (args.question_tokens,), generator=g).tolist() for _ in range(args.repeats + 1)]
 
     def cold(prompt):
-        cache = model.new_cache(1, len(prompt) + 1)
-        start = time.perf_counter()
-        for s in range(0, len(prompt), 2048):  # the same chunked prefill as hybrid.generate
-            logits = model(torch.tensor([prompt[s:s + 2048]]), cache, logits_to_keep=1)
-        return time.perf_counter() - start, int(logits[0, -1].argmax())
+        (c,) = generate_ids(model, [prompt], max_new_tokens=1)
+        return c.prefill_seconds, c.token_ids[0]
 
     prefix_cache = PrefixCache(model, block_size=args.block_size, max_bytes=1 << 40)
     start = time.perf_counter()

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
+from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.eval.tasks import fit_to_length
 from hybrid.generate import generate_ids
 from hybrid.loading import load
 from hybrid.speculative import speculative_generate_ids
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "checkpoints" / "hybrid-mini"
 PROSE = [
     "The for statement is used to iterate over the elements of a sequence",
     "Exceptions are raised when an error is detected during execution. The",
@@ -32,18 +32,10 @@ PROSE = [
 ]
 
 
-class _Encoder:
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def encode(self, text):
-        return self.tokenizer.encode(text)
-
-
 def prompts(tokenizer) -> list[tuple[str, list[int]]]:
     out = [("prose", tokenizer.encode(text)) for text in PROSE]
     for task in ("passkey", "kv_recall"):
-        sample = fit_to_length(task, _Encoder(tokenizer), 400, seed=7, depth_percent=50.0)
+        sample = fit_to_length(task, tokenizer, 400, seed=7, depth_percent=50.0)
         out.append((task, tokenizer.encode(sample.prompt)))
     return out
 

@@ -62,19 +62,11 @@ def test_stored_greedy_continuation_is_transformers_and_ours():
     assert c.token_ids == stored["greedy_ids"]
 
 
-class _Encoder:
-    def __init__(self, tok):
-        self.tok = tok
-
-    def encode(self, text):
-        return self.tok.encode(text)
-
-
 @pytest.mark.parametrize("depth", [0.0, 25.0, 50.0, 75.0, 100.0])
 def test_passkey_at_training_length(loaded, depth):
     """Unseen passkeys (seeds the training stream never drew) at five depths of a 496-token prompt."""
     model, tok = loaded
     for seed in (9001, 9002):
-        s = fit_to_length("passkey", _Encoder(tok), TRAIN_LENGTH - 16, seed, depth_percent=depth)
+        s = fit_to_length("passkey", tok, TRAIN_LENGTH - 16, seed, depth_percent=depth)
         (c,) = generate_ids(model, [tok.encode(s.prompt)], max_new_tokens=8)
         assert tok.decode(c.token_ids).strip().startswith(s.continuation.strip()), (depth, seed, tok.decode(c.token_ids))
