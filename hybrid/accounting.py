@@ -96,14 +96,19 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant=None) -> dict:
 
 def resident_bytes(model) -> int:
     """Bytes of the distinct tensor storages a loaded model holds: parameters, buffers, and any tensor kept
-    as a plain module attribute (so a cached dequantized weight would be counted too)."""
+    as a plain module attribute or in a list attribute (so a cached dequantized weight, or the oneDNN-packed
+    weights of `hybrid.ops.onednn`, counted as their logical size, are counted too)."""
     seen, total = set(), 0
     tensors = list(model.parameters()) + list(model.buffers())
     for m in model.modules():
-        tensors += [v for v in vars(m).values() if isinstance(v, torch.Tensor)]
+        for v in vars(m).values():
+            if isinstance(v, torch.Tensor):
+                tensors.append(v)
+            elif isinstance(v, list):
+                tensors += [t for t in v if isinstance(t, torch.Tensor)]
     for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
+        key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
     return total

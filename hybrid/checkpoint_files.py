@@ -116,6 +116,18 @@ class SafetensorsFile:
             flat = torch.frombuffer(self._map, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=self._data_start + begin)
         return flat.view(entry["shape"])
 
+    def release(self, name: str) -> None:
+        """Drop the memory map's pages of tensor `name` from this process (after copying it), so that loading
+        never holds a tensor twice in resident memory; the pages stay in the OS page cache."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        begin, end = self.entries[name]["data_offsets"]
+        page = mmap.PAGESIZE
+        first = -(-(self._data_start + begin) // page) * page  # whole pages inside the tensor's bytes only
+        last = (self._data_start + end) // page * page
+        if last > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+
 
 class CheckpointFiles:
     """Every tensor of a checkpoint directory, by name, across its shards.
@@ -171,6 +183,9 @@ class CheckpointFiles:
 
     def view(self, name: str) -> torch.Tensor:
         return self.where[name].view(name)
+
+    def release(self, name: str) -> None:
+        self.where[name].release(name)
 
     def file_of(self, name: str) -> Path:
         return self.where[name].path

@@ -157,7 +157,7 @@ def _quantize(args) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.src, dtype=args.dtype)
+    model, tokenizer = load(args.src, dtype=args.dtype, prepack=False)
     if getattr(model, "quantization", None) is not None:
         print(f"error: {args.src} is already quantized ({model.quantization.source})", file=sys.stderr)
         return 2

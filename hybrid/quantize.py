@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from hybrid.config import ATTENTION, MAMBA, HybridConfig
+from hybrid.ops import onednn
 from hybrid.quantized_loading import bank_format, set_module
 from moe.experts import ExpertBank
 from moe.quant.config import HF_QUANT_CONFIG, QuantConfig, modelopt_config_files, modelopt_format
@@ -125,6 +126,7 @@ def quantize_model(model: nn.Module, fmt_name: str, exclude: list[str] | None = 
     scales (FP8, NVFP4); without them, every input scale is 1.0."""
     if getattr(model, "quantization", None) is not None:
         raise ValueError("the model is already quantized")
+    onednn.unpack(model)  # a model loaded for CPU inference holds prepacked weights: back to plain modules
     qc = plan(model.config, fmt_name, exclude)
     stats = calibrate(model, qc, calibration) if calibration else _Amax()
     for name, module in list(model.named_modules()):

@@ -48,6 +48,11 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
     in fp32. Shared by the float bank and the packed one (`moe.quant.QuantExpertBank`).
     """
     T, k = ids.shape
+    if T == 1:  # one token (decode at batch 1): its k experts in turn, nothing to sort or scatter
+        y = torch.zeros(1, x.shape[-1], dtype=torch.float32, device=x.device)
+        for e, w in zip(ids[0].tolist(), weights[0].tolist()):
+            y.add_(expert(e, x).float(), alpha=w)
+        return y.to(x.dtype)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=n_experts).tolist()

@@ -150,11 +150,11 @@ def test_not_a_directory_nor_repo_id(tmp_path):
 
 def test_dtype_policy(single):
     model = hybrid.load_model(single, dtype="bf16")
-    params = dict(model.named_parameters())
-    assert params["backbone.layers.0.mixer.in_proj.weight"].dtype == torch.bfloat16
-    assert params["backbone.layers.2.mixer.gate.weight"].dtype == torch.float32
-    assert params["backbone.layers.0.mixer.A_log"].dtype == torch.float32
-    assert dict(model.named_buffers())["backbone.layers.2.mixer.gate.e_score_correction_bias"].dtype == torch.float32
+    tensors = model.state_dict()  # dense names and dtypes, whether or not the weights are prepacked
+    assert tensors["backbone.layers.0.mixer.in_proj.weight"].dtype == torch.bfloat16
+    assert tensors["backbone.layers.2.mixer.gate.weight"].dtype == torch.float32
+    assert tensors["backbone.layers.0.mixer.A_log"].dtype == torch.float32
+    assert tensors["backbone.layers.2.mixer.gate.e_score_correction_bias"].dtype == torch.float32
     with pytest.raises(ValueError, match="dtype 'int8'"):
         hybrid.load_model(single, dtype="int8")
 

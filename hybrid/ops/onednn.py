@@ -1,0 +1,144 @@
+"""bf16 linears on CPU through oneDNN with weights reordered once, at load, into its blocked layout.
+
+Why: on an AVX-512-BF16 CPU, eager `x @ W.T` with a bf16 weight reads the weight at 3-9 GB/s when x is a
+single row (decode), while oneDNN's inner-product primitive on a prepacked weight reads it at 20-33 GB/s and
+runs prompt-sized GEMMs at about 430 GFLOP/s (measured, `../shared/perf-notes.md`). This is the path
+PyTorch's inductor takes for frozen bf16 linears on CPU
+(`torch.ops.mkldnn._reorder_linear_weight` once, `torch.ops.mkldnn._linear_pointwise` per call).
+
+`prepack(model)` swaps, in place, every bf16 `nn.Linear` for a `PackedLinear` and every bf16 `ExpertBank` for
+a `PackedExpertBank`. The math is that of the modules they replace (bf16 inputs and weights, fp32
+accumulation, bf16 output); only the summation order inside a dot product differs. The packed weight is
+the only copy kept. `state_dict()` and `.weight` still give the dense tensors under the same names (read
+back from the packed layout), so saving, fingerprints and accounting see the model unchanged. A packed
+model is for inference only: no gradients flow through the packed weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moe.experts import ExpertBank, dispatch
+
+
+def available() -> bool:
+    """True when this PyTorch build has oneDNN with bf16 support on this CPU (AVX-512-BF16 or AMX)."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] bf16 (CPU) -> the same matrix as an opaque oneDNN tensor in its blocked layout."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
+    """`x @ W.T + bias` (then ReLU when `relu`): x [..., in] bf16, packed from `pack(W)` -> [..., out] bf16."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "relu" if relu else "none", [], "")
+
+
+class PackedLinear(nn.Module):
+    """An inference-only `nn.Linear` (bf16, CPU) holding its weight packed. Shapes: [..., in] -> [..., out]."""
+
+    def __init__(self, source: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.packed = pack(source.weight)
+        self.bias = source.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight [out, in] bf16 (a copy read back from the packed layout)."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.packed, self.bias)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PackedExpertBank(nn.Module):
+    """An inference-only `ExpertBank` (bf16, CPU) holding each expert's two matrices packed.
+
+    Shapes as `ExpertBank`: x [T, L], weights [T, k] fp32, ids [T, k] -> [T, L]. The ReLU of squared ReLU is
+    fused into the up projection.
+    """
+
+    def __init__(self, source: ExpertBank):
+        super().__init__()
+        self.n_experts = source.up_proj.shape[0]
+        self.up = [pack(w) for w in source.up_proj]
+        self.down = [pack(w) for w in source.down_proj]
+
+    @property
+    def up_proj(self) -> torch.Tensor:
+        """[E, I, L] dense (a copy)."""
+        return torch.stack([w.to_dense() for w in self.up])
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        """[E, L, I] dense (a copy)."""
+        return torch.stack([w.to_dense() for w in self.down])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return dispatch(x, weights, ids, self.n_experts,
+                        lambda e, part: linear(linear(part, self.up[e], relu=True).square(), self.down[e]))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "up_proj"] = self.up_proj
+        destination[prefix + "down_proj"] = self.down_proj
+
+
+def prepack(model: nn.Module) -> int:
+    """Swap the bf16 `nn.Linear`s and `ExpertBank`s of `model` (on CPU) for packed ones, in place.
+
+    Modules in other dtypes (fp32 routers, fp32 models) or on other devices are left as they are, and so are
+    quantized modules (`moe.quant`). Returns the number of modules swapped.
+    Raises:
+        RuntimeError: this CPU or PyTorch build has no oneDNN bf16 support (check `available()` first).
+    """
+    if not available():
+        raise RuntimeError("oneDNN bf16 is not available on this CPU / PyTorch build")
+    shared = {p.data_ptr() for m in model.modules() if not isinstance(m, (nn.Linear, ExpertBank))
+              for p in m.parameters(recurse=False)}  # a head tied to the embedding stays dense: one copy
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if (type(child) is nn.Linear and _eligible(child.weight, shared))
+               or (type(child) is ExpertBank and _eligible(child.up_proj, shared))]
+    swapped = 0
+    while targets:  # popped one at a time, so each dense original is freed as soon as its copy is packed
+        parent, name, child = targets.pop()
+        setattr(parent, name, PackedLinear(child) if type(child) is nn.Linear else PackedExpertBank(child))
+        swapped += 1
+    return swapped
+
+
+def unpack(model: nn.Module) -> int:
+    """Swap every `PackedLinear` / `PackedExpertBank` of `model` back to a plain module with dense weights,
+    in place (what quantizing or training needs). Returns the number of modules swapped."""
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, (PackedLinear, PackedExpertBank))]
+    swapped = 0
+    while targets:
+        parent, name, child = targets.pop()
+        with torch.device("meta"):  # built empty, then given the dense weights
+            if isinstance(child, PackedLinear):
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                plain.weight, plain.bias = nn.Parameter(child.weight), child.bias
+            else:
+                up = child.up_proj
+                plain = ExpertBank(child.n_experts, up.shape[2], up.shape[1])
+                plain.up_proj, plain.down_proj = nn.Parameter(up), nn.Parameter(child.down_proj)
+        setattr(parent, name, plain)
+        swapped += 1
+    return swapped
+
+
+def _eligible(weight: torch.Tensor, shared: set[int]) -> bool:
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.data_ptr() not in shared

@@ -1,0 +1,136 @@
+"""Prepacked oneDNN bf16 linears (`hybrid.ops.onednn`) against the plain modules they replace.
+
+Oracles: the fp32 product of the same bf16 operands (a packed product may differ from it only by the bf16
+rounding of its output and the summation order), the unpacked `ExpertBank`, and the same checkpoint loaded
+with `prepack=False` (identical state dict and fingerprint; logits equal up to that rounding; the default
+checkpoint's greedy tokens identical).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hybrid
+from hybrid.accounting import resident_bytes
+from hybrid.checkpoint_files import CheckpointFiles
+from hybrid.cli import DEFAULT_CHECKPOINT
+from hybrid.generate import generate_ids
+from hybrid.ops import onednn
+from hybrid.prefix_cache import model_identity
+from moe.experts import ExpertBank
+
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="no oneDNN bf16 on this CPU / PyTorch build")
+
+
+def _assert_bf16_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """got (bf16) equals the fp32 reference up to a couple of bf16 roundings of its magnitude."""
+    assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+    err = (got.float() - ref).abs()
+    assert float(err.max()) <= 2 ** -7 * float(ref.abs().max()) + 1e-3, float(err.max())
+
+
+@pytest.mark.parametrize("shape", [(1, 96), (3, 96), (2, 5, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_fp32_product(shape, bias):
+    torch.manual_seed(0)
+    source = nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    packed = onednn.PackedLinear(source)
+    ref = x.float() @ source.weight.float().T + (source.bias.float() if bias else 0)
+    with torch.inference_mode():
+        _assert_bf16_close(packed(x), ref)
+    assert torch.equal(packed.weight, source.weight)
+    assert list(packed.state_dict()) == list(source.state_dict())
+    assert all(torch.equal(packed.state_dict()[k], source.state_dict()[k]) for k in source.state_dict())
+
+
+def test_packed_expert_bank_matches_bank():
+    torch.manual_seed(1)
+    bank = ExpertBank(6, 32, 48).to(torch.bfloat16)
+    with torch.no_grad():
+        bank.up_proj.normal_(0, 0.2)
+        bank.down_proj.normal_(0, 0.2)
+    x = torch.randn(9, 32, dtype=torch.bfloat16)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(9)])
+    weights = torch.rand(9, 2)
+    packed = onednn.PackedExpertBank(bank)
+    with torch.inference_mode():
+        # fp32 reference of the same bf16 operands: y_t = sum_j w_tj * down_e(relu(up_e(x_t))^2)
+        ref = torch.zeros(9, 32)
+        for t in range(9):
+            for j in range(2):
+                e = int(ids[t, j])
+                u = torch.relu(x[t].float() @ bank.up_proj[e].float().T).square().bfloat16().float()
+                ref[t] += weights[t, j] * (u @ bank.down_proj[e].float().T)
+        _assert_bf16_close(packed(x, weights, ids), ref)
+    assert torch.equal(packed.up_proj, bank.up_proj) and torch.equal(packed.down_proj, bank.down_proj)
+
+
+@pytest.mark.parametrize("name", ["all4_ng2_gqa4_c8", "tied_c8"])
+def test_prepacked_model_equals_plain(checkpoint, name):
+    ck = checkpoint(name)
+    plain = hybrid.load_model(ck.directory, dtype="bf16", prepack=False)
+    packed = hybrid.load_model(ck.directory, dtype="bf16")
+    kinds = {type(m).__name__ for m in packed.modules()}
+    assert {"PackedLinear", "PackedExpertBank"} <= kinds and "ExpertBank" not in kinds
+    if ck.tf.config.tie_word_embeddings:  # the tied head keeps sharing the embedding matrix: one copy
+        assert type(packed.lm_head) is nn.Linear
+        assert packed.lm_head.weight.data_ptr() == packed.backbone.embeddings.weight.data_ptr()
+    else:
+        assert type(packed.lm_head) is onednn.PackedLinear
+    a, b = plain.state_dict(), packed.state_dict()
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert model_identity(plain) == model_identity(packed)
+    assert resident_bytes(plain) == resident_bytes(packed)
+    ids = torch.randint(3, ck.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref, got = plain(ids), packed(ids)
+        cache_ref, cache_got = plain.new_cache(2), packed.new_cache(2)
+        plain(ids, cache_ref), packed(ids, cache_got)
+        step_ref, step_got = plain(ids[:, -1:], cache_ref), packed(ids[:, -1:], cache_got)
+    for r, g in ((ref, got), (step_ref, step_got)):  # both bf16 models; the difference is bf16 noise
+        assert float((r - g).abs().max()) <= 0.05 * float(r.abs().max()) + 1e-2
+
+
+def test_default_checkpoint_greedy_unchanged_by_prepacking():
+    plain, tok = hybrid.load(DEFAULT_CHECKPOINT, dtype="bf16", prepack=False)
+    packed, _ = hybrid.load(DEFAULT_CHECKPOINT, dtype="bf16")
+    prompts = [tok.encode("The for statement is used to"), tok.encode("A list is a sequence of")]
+    assert [c.token_ids for c in generate_ids(plain, prompts, 24)] == [c.token_ids for c in generate_ids(packed, prompts, 24)]
+
+
+def test_unavailable_onednn_leaves_plain_modules(checkpoint, monkeypatch):
+    monkeypatch.setattr(onednn, "available", lambda: False)
+    model = hybrid.load_model(checkpoint("all4_ng2_gqa4_c8").directory, dtype="bf16")
+    assert not any(isinstance(m, (onednn.PackedLinear, onednn.PackedExpertBank)) for m in model.modules())
+    with pytest.raises(RuntimeError, match="oneDNN bf16 is not available"):
+        onednn.prepack(model)
+
+
+def test_fp32_model_is_not_packed(checkpoint):
+    assert not any(isinstance(m, onednn.PackedLinear) for m in checkpoint("all4_ng2_gqa4_c8").ours.modules())
+
+
+def test_released_pages_read_back_from_the_file(checkpoint):
+    """`release` only drops this process's copy of the pages: viewing the tensor again reads the file."""
+    files = CheckpointFiles(checkpoint("all4_ng2_gqa4_c8").directory)
+    name = max(files.keys(), key=lambda k: files.view(k).numel())
+    before = files.view(name).clone()
+    files.release(name)
+    assert torch.equal(files.view(name), before)
+
+
+def test_unpack_restores_plain_modules(checkpoint):
+    """Quantizing a model loaded for inference unpacks it first (`quantize_model` calls `unpack`)."""
+    directory = checkpoint("all4_ng2_gqa4_c8").directory
+    plain = hybrid.load_model(directory, dtype="bf16", prepack=False)
+    model = hybrid.load_model(directory, dtype="bf16")
+    assert onednn.unpack(model) > 0
+    assert {type(m) for m in model.modules()} == {type(m) for m in plain.modules()}
+    a, b = plain.state_dict(), model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert torch.equal(plain(ids), model(ids))
