@@ -18,6 +18,11 @@ from hybrid.model import HybridForCausalLM
 if TYPE_CHECKING:
     from hybrid.prefix_cache import PrefixCache
 
+# Prompt tokens per prefill forward. Measured on the 554M bench model (bf16, 2 threads, 8K prompt):
+# 512 -> 707-767 tok/s and 1.7 GB peak RSS; 2048 -> 630-667 tok/s and 2.1 GB (larger chunks only add
+# activation memory, the GEMMs are already efficient at 512 rows); 256 -> 674-686 tok/s.
+PREFILL_CHUNK_SIZE = 512
+
 
 @dataclass
 class Completion:
@@ -107,7 +112,7 @@ def generate_ids(
     sampling: SamplingParams | None = None,
     stop_ids: list[int] | tuple[int, ...] = (),
     pad_id: int = 0,
-    prefill_chunk_size: int = 2048,
+    prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
     on_tokens: Callable[[list[int | None]], None] | None = None,
     prefix_cache: "PrefixCache | None" = None,
 ) -> list[Completion]:

@@ -110,7 +110,7 @@ def _random_prompt(n: int, vocab: int, seed: int) -> list[int]:
 
 def worker_ours(args) -> dict:
     import hybrid
-    from hybrid.generate import generate_ids
+    from hybrid.generate import PREFILL_CHUNK_SIZE, generate_ids
 
     start = time.perf_counter()
     model, _ = hybrid.load(args.dir, dtype=args.dtype)
@@ -121,8 +121,8 @@ def worker_ours(args) -> dict:
         times = [generate_ids(model, [prompt], max_new_tokens=1)[0].prefill_seconds for _ in range(args.repeats)]
         cache = model.new_cache(1, L)
         with torch.inference_mode():
-            for s in range(0, L, 2048):
-                model(torch.tensor([prompt[s:s + 2048]]), cache, logits_to_keep=1)
+            for s in range(0, L, PREFILL_CHUNK_SIZE):
+                model(torch.tensor([prompt[s:s + PREFILL_CHUNK_SIZE]]), cache, logits_to_keep=1)
         result["prefill"][str(L)] = {"ttft_s": statistics.median(times), "tok_s": L / statistics.median(times),
                                      "cache_bytes": cache.nbytes()}
     for B in args.batches:

@@ -24,6 +24,7 @@ from hybrid.eval.registry import GROUPS, TASKS
 from hybrid.eval.report import RECORDS_FILE, write_report
 from hybrid.eval.runner import DEFAULT_DEPTHS, Plan, evaluate
 from hybrid.eval.scoring import EFFECTIVE_LENGTH_THRESHOLD
+from hybrid.generate import PREFILL_CHUNK_SIZE
 
 
 def parse_options(items: list[str]) -> dict[str, dict]:
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantized checkpoints: also quantize activations (passed to hybrid.load)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget for every task (default: per task)")
     p.add_argument("--batch-size", type=int, default=4, help="samples of one cell run together")
-    p.add_argument("--prefill-chunk-size", type=int, default=2048, help="prompt tokens per forward")
+    p.add_argument("--prefill-chunk-size", type=int, default=PREFILL_CHUNK_SIZE,
+                   help="prompt tokens per forward")
     p.add_argument("--option", action="append", default=[], metavar="TASK.KEY=VALUE",
                    help="generator option, e.g. kv_recall.n_queries=8 (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

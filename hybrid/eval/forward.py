@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.generate import PREFILL_CHUNK_SIZE
+
 
 @torch.inference_mode()
-def logits_at(model, sequences: list[list[int]], positions: list[list[int]], chunk_size: int = 2048,
+def logits_at(model, sequences: list[list[int]], positions: list[list[int]], chunk_size: int = PREFILL_CHUNK_SIZE,
               pad_id: int = 0) -> list[torch.Tensor]:
     """Next-token logits at `positions[i]` of `sequences[i]`.
 

@@ -37,7 +37,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from hybrid.eval.forward import logits_at
-from hybrid.generate import SamplingParams, generate_ids
+from hybrid.generate import PREFILL_CHUNK_SIZE, SamplingParams, generate_ids
 
 
 @register_model("hybrid")
@@ -58,7 +58,7 @@ class HybridLM(LM):
 
     def __init__(self, pretrained: str | None = None, model=None, tokenizer=None, dtype: str | None = None,
                  device: str | None = None, batch_size: int | str = 1, max_length: int | None = None,
-                 max_gen_toks: int = 256, prefill_chunk_size: int = 2048, threads: int | None = None,
+                 max_gen_toks: int = 256, prefill_chunk_size: int = PREFILL_CHUNK_SIZE, threads: int | None = None,
                  act_quant: bool = False, **kwargs):
         super().__init__()
         kwargs.pop("max_batch_size", None)

@@ -28,6 +28,7 @@ from hybrid.eval.registry import expand_tasks, get_task
 from hybrid.eval.sample import Sample
 from hybrid.eval.scoring import score
 from hybrid.eval.tasks import fit_to_length, teacher_forced_pieces
+from hybrid.generate import PREFILL_CHUNK_SIZE
 from hybrid.generate import SamplingParams, generate_ids
 
 DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
@@ -64,7 +65,7 @@ class Plan:
     seed: int = 0
     max_new_tokens: int | None = None
     batch_size: int = 4
-    prefill_chunk_size: int = 2048
+    prefill_chunk_size: int = PREFILL_CHUNK_SIZE
     task_options: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self):

@@ -23,9 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(x.dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 class GatedRMSNorm(nn.Module):
@@ -44,7 +42,6 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        h = x.float() * F.silu(z.float())
-        g = h.unflatten(-1, (self.n_groups, -1))
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        g = (x.float() * F.silu(z.float())).unflatten(-1, (self.n_groups, -1))
+        g = F.rms_norm(g, (g.shape[-1],), eps=self.eps)
         return (g.flatten(-2) * self.weight.float()).to(out_dtype)
