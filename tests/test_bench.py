@@ -36,3 +36,5 @@ def test_bench_smoke(tmp_path):
     ratio = next(t for t in report["targets"] if t["target"] == "decode vs transformers")
     assert abs(ratio["value"] - ours["decode"]["1"]["tok_s"] / tf["decode"]["1"]["tok_s"]) < 1e-3 * ratio["value"] + 1e-3
     assert "decode b1 roofline ratio" in done.stdout and "transformers" in done.stdout
+    memory = next(t for t in report["targets"] if t["target"] == "(ckpt + 2 GB) / peak RSS")
+    assert abs(memory["value"] - (report["checkpoint_bytes"] + 2e9) / ours["peak_rss_bytes"]) <= 1e-3
