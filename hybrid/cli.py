@@ -3,11 +3,11 @@
     hybrid generate [MODEL] --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-k K]
                     [--top-p P] [--seed S] [--dtype D] [--act-quant] [--speculative N]
                     [--prefix-cache FILE [--prefix-block-size B]] [--json]
-    hybrid info MODEL [--format fp8|nvfp4|mxfp4] [--json]
+    hybrid info [MODEL] [--format fp8|nvfp4|mxfp4] [--json]
     hybrid quantize SRC DST --format fp8|nvfp4|mxfp4 [--exclude PATTERN ...] [--calibration-samples N]
 
-MODEL is a checkpoint directory or a hub repo id; `generate` without MODEL uses the default checkpoint in
-`checkpoints/`. `info` also accepts a bare config.json (no weights needed).
+MODEL is a checkpoint directory or a hub repo id; without MODEL, `generate` and `info` use the default
+checkpoint in `checkpoints/`. `info` also accepts a bare config.json (no weights needed).
 """
 
 from __future__ import annotations
@@ -24,11 +24,8 @@ def _generate(args) -> int:
     from hybrid.generate import generate
     from hybrid.loading import load
 
-    if args.model is None:
-        if not (DEFAULT_CHECKPOINT / "config.json").exists():
-            print(f"error: no MODEL given and the default checkpoint {DEFAULT_CHECKPOINT} is missing", file=sys.stderr)
-            return 2
-        args.model = str(DEFAULT_CHECKPOINT)
+    if not _default_model(args):
+        return 2
     if args.threads is not None:
         import torch
 
@@ -102,6 +99,9 @@ def _info(args) -> int:
     from hybrid.accounting import describe
     from hybrid.config import HybridConfig
     from hybrid.loading import parse_dtype
+
+    if not _default_model(args):
+        return 2
 
     path = Path(args.model).expanduser()
     if path.is_file():
@@ -177,6 +177,23 @@ def _quantize(args) -> int:
     return 0
 
 
+def _default_model(args) -> bool:
+    """Fill `args.model` with the shipped checkpoint when none was given; False (after an error) if it is missing."""
+    if args.model is None:
+        if not (DEFAULT_CHECKPOINT / "config.json").exists():
+            print(f"error: no MODEL given and the default checkpoint {DEFAULT_CHECKPOINT} is missing", file=sys.stderr)
+            return False
+        args.model = str(DEFAULT_CHECKPOINT)
+    return True
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -211,8 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")
-    g.add_argument("--speculative", type=_positive_int, default=0, metavar="N",
-                   help="draft N tokens per step with the checkpoint's MTP block and verify them (same output)")
+    g.add_argument("--speculative", type=_non_negative_int, default=0, metavar="N",
+                   help="draft N tokens per step with the checkpoint's MTP block and verify them (same output); 0: off")
     g.add_argument("--prefix-cache", default=None, metavar="FILE",
                    help="safetensors file of cached prefix states: reused when it matches the model, then updated")
     g.add_argument("--prefix-block-size", type=_positive_int, default=256,
@@ -222,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json",
                        formatter_class=fmt)
-    i.add_argument("model", help="checkpoint directory, config.json file, or hub repo id")
+    i.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory, config.json file, or hub repo id (default: shipped checkpoint)")
     i.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the config's dtype")
     i.add_argument("--format", choices=["fp8", "nvfp4", "mxfp4"], default=None,
                    help="report the sizes after `hybrid quantize --format F` with the default exclusions")

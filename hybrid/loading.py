@@ -82,7 +82,7 @@ def load_model(
         act_quant: for a quantized checkpoint, also quantize-dequantize the inputs of packed matmuls
             (W8A8 / W4A4 emulation) instead of the default weight-only compute.
         prepack: bf16 on a CPU with oneDNN bf16 support: hold the linear and expert weights in oneDNN's
-            blocked layout (`hybrid.ops.onednn`; matrix-vector products 3-5x faster). The model is then for
+            blocked layout (`hybrid.ops.onednn`; matrix-vector products 1.4-1.8x faster). The model is then for
             inference only; pass False to keep plain `nn.Linear` modules (to quantize or train it).
     Raises:
         ConfigError: config.json unreadable or invalid (names the file and field).

@@ -2,7 +2,7 @@
 
     python scripts/bench.py --preset medium            # 554M-parameter MoE, bf16 (see checkpoints/configs/)
     python scripts/bench.py --preset long              # the same model with a 32K-token prompt
-    python scripts/bench.py --preset wide              # medium with every width doubled (2.2B, 4x the bytes per layer)
+    python scripts/bench.py --preset wide              # medium with every width doubled (2.1B, 4x the bytes per layer)
     python scripts/bench.py --checkpoint DIR           # any checkpoint the loader accepts
     python scripts/bench.py --smoke                    # seconds: the tiny preset, short lengths (CI)
 

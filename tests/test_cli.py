@@ -100,6 +100,19 @@ def test_speculative_gives_the_plain_greedy_text(tmp_path):
 def test_speculative_needs_an_mtp_block(ckpt):
     r = run("generate", str(ckpt), "--prompt", "hi", "--speculative", "2")
     assert r.returncode == 2 and "MTP block" in r.stderr and str(ckpt) in r.stderr
+    off = run("generate", str(ckpt), "--prompt", "hi", "--max-new-tokens", "3", "--speculative", "0", "--json")
+    plain = run("generate", str(ckpt), "--prompt", "hi", "--max-new-tokens", "3", "--json")
+    assert off.returncode == 0 and json.loads(off.stdout)["token_ids"] == json.loads(plain.stdout)["token_ids"]
+    assert run("generate", str(ckpt), "--prompt", "hi", "--speculative", "-1").returncode == 2
+
+
+def test_info_without_model_describes_the_default_checkpoint():
+    from hybrid.cli import DEFAULT_CHECKPOINT
+
+    default, explicit = run("info", "--json"), run("info", str(DEFAULT_CHECKPOINT), "--json")
+    assert default.returncode == 0, default.stderr
+    assert json.loads(default.stdout) == json.loads(explicit.stdout)
+    assert json.loads(default.stdout)["pattern"] == "MEM*EMEM*E"
 
 
 def test_prefix_cache_file_is_reused_across_runs(ckpt, tmp_path):

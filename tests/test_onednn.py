@@ -134,3 +134,38 @@ def test_unpack_restores_plain_modules(checkpoint):
     ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         assert torch.equal(plain(ids), model(ids))
+
+
+def test_packed_model_state_dict_round_trip_and_inference_only_guards(checkpoint):
+    """`load_state_dict` repacks what it is given (round trip, and a changed tensor takes effect); the
+    parameters are frozen, so a backward pass raises instead of leaving packed weights without gradients;
+    a dtype or device change raises with a message naming the fix."""
+    directory = checkpoint("all4_ng2_gqa4_c8").directory
+    model = hybrid.load_model(directory, dtype="bf16")
+    plain = hybrid.load_model(directory, dtype="bf16", prepack=False)
+    ids = torch.randint(3, 100, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        before = model(ids)
+    state = model.state_dict()
+    assert model.load_state_dict(state, strict=True) is not None
+    with torch.inference_mode():
+        assert torch.equal(model(ids), before)
+    state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])
+    state["backbone.layers.2.mixer.experts.up_proj"] = state["backbone.layers.2.mixer.experts.up_proj"] * 2
+    model.load_state_dict(state)
+    plain.load_state_dict(state)
+    assert torch.equal(model.backbone.layers[2].mixer.experts.up_proj, plain.backbone.layers[2].mixer.experts.up_proj)
+    with torch.inference_mode():
+        assert torch.equal(model(ids), torch.zeros_like(before))
+    bad = dict(state, **{"lm_head.weight": torch.zeros(3, 3, dtype=torch.bfloat16)})
+    with pytest.raises(RuntimeError, match="size mismatch for lm_head.weight"):
+        model.load_state_dict(bad)
+    with pytest.raises(RuntimeError, match="Missing key"):
+        model.load_state_dict({k: v for k, v in state.items() if k != "lm_head.weight"})
+
+    assert not any(p.requires_grad for p in model.parameters())
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        model(ids).sum().backward()
+    with pytest.raises(RuntimeError, match="stays bf16 on the CPU"):
+        model.float()
+    assert model.to("cpu") is model

@@ -1,8 +1,9 @@
 """bf16 linears on CPU through oneDNN with weights reordered once, at load, into its blocked layout.
 
-Why: on an AVX-512-BF16 CPU, eager `x @ W.T` with a bf16 weight reads the weight at 3-9 GB/s when x is a
-single row (decode), while oneDNN's inner-product primitive on a prepacked weight reads it at 20-33 GB/s and
-runs prompt-sized GEMMs at about 430 GFLOP/s (measured, `../shared/perf-notes.md`). This is the path
+Why: on an AVX-512-BF16 CPU (2 threads), eager `x @ W.T` with a bf16 weight reads the weight at 20-26 GB/s
+when x is a single row (decode), while oneDNN's inner-product primitive on a prepacked weight reads it at
+28 GB/s (640 x 1024, an expert) to 46 GB/s (12352 x 2048), and runs prompt-sized GEMMs at about 430
+GFLOP/s (measured; `scripts/bench.py` shows the effect on whole models). This is the path
 PyTorch's inductor takes for frozen bf16 linears on CPU
 (`torch.ops.mkldnn._reorder_linear_weight` once, `torch.ops.mkldnn._linear_pointwise` per call).
 
@@ -10,8 +11,11 @@ PyTorch's inductor takes for frozen bf16 linears on CPU
 a `PackedExpertBank`. The math is that of the modules they replace (bf16 inputs and weights, fp32
 accumulation, bf16 output); only the summation order inside a dot product differs. The packed weight is
 the only copy kept. `state_dict()` and `.weight` still give the dense tensors under the same names (read
-back from the packed layout), so saving, fingerprints and accounting see the model unchanged. A packed
-model is for inference only: no gradients flow through the packed weights.
+back from the packed layout; `.weight` is a copy, so writing into it changes nothing), so saving,
+fingerprints and accounting see the model unchanged, and `load_state_dict` repacks what it is given.
+A packed model is for inference only: `prepack` freezes every parameter (a backward pass raises instead
+of silently leaving the packed weights without gradients), a change of dtype or device raises (load the
+model that way instead), and `model.parameters()` no longer lists the packed weights.
 """
 
 from __future__ import annotations
@@ -38,7 +42,48 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "relu" if relu else "none", [], "")
 
 
-class PackedLinear(nn.Module):
+class _Packed(nn.Module):
+    """What both packed modules share: dense tensors in `state_dict` under the plain module's names, repacked
+    by `load_state_dict`, and no dtype or device change."""
+
+    def _dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of the dense tensors the packed ones stand for (read back by `getattr(self, name)`)."""
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in self._dense_shapes():  # first, as the plain module lists its weights before a bias
+            destination[prefix + name] = getattr(self, name)
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # registered tensors (a bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for name, shape in self._dense_shapes().items():
+            key = prefix + name
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            if key not in state_dict:
+                missing_keys.append(key)
+            elif tuple(state_dict[key].shape) != shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(state_dict[key].shape)}, the shape in the current model is {shape}")
+            else:
+                self._repack(name, state_dict[key].detach().to(torch.bfloat16))
+
+    def _repack(self, name: str, dense: torch.Tensor) -> None:
+        """Replace the packed form of dense tensor `name` (bf16, the shape `_dense_shapes` gives)."""
+        raise NotImplementedError
+
+    def _apply(self, fn, recurse=True):
+        probe = fn(torch.empty(0, dtype=torch.bfloat16))
+        if probe.dtype != torch.bfloat16 or probe.device.type != "cpu":
+            raise RuntimeError("a model with oneDNN-prepacked weights stays bf16 on the CPU: load it in the dtype and "
+                               "on the device you need, or with prepack=False")
+        return super()._apply(fn, recurse)
+
+
+class PackedLinear(_Packed):
     """An inference-only `nn.Linear` (bf16, CPU) holding its weight packed. Shapes: [..., in] -> [..., out]."""
 
     def __init__(self, source: nn.Linear):
@@ -55,16 +100,17 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.packed, self.bias)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.weight
-        if self.bias is not None:
-            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+    def _dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.out_features, self.in_features)}
+
+    def _repack(self, name: str, dense: torch.Tensor) -> None:
+        self.packed = pack(dense)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class PackedExpertBank(nn.Module):
+class PackedExpertBank(_Packed):
     """An inference-only `ExpertBank` (bf16, CPU) holding each expert's two matrices packed.
 
     Shapes as `ExpertBank`: x [T, L], weights [T, k] fp32, ids [T, k] -> [T, L]. The ReLU of squared ReLU is
@@ -74,6 +120,7 @@ class PackedExpertBank(nn.Module):
     def __init__(self, source: ExpertBank):
         super().__init__()
         self.n_experts = source.up_proj.shape[0]
+        self._shapes = {"up_proj": tuple(source.up_proj.shape), "down_proj": tuple(source.down_proj.shape)}
         self.up = [pack(w) for w in source.up_proj]
         self.down = [pack(w) for w in source.down_proj]
 
@@ -91,9 +138,11 @@ class PackedExpertBank(nn.Module):
         return dispatch(x, weights, ids, self.n_experts,
                         lambda e, part: linear(linear(part, self.up[e], relu=True).square(), self.down[e]))
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "up_proj"] = self.up_proj
-        destination[prefix + "down_proj"] = self.down_proj
+    def _dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self._shapes
+
+    def _repack(self, name: str, dense: torch.Tensor) -> None:
+        setattr(self, "up" if name == "up_proj" else "down", [pack(w) for w in dense])
 
 
 def prepack(model: nn.Module) -> int:
@@ -116,6 +165,7 @@ def prepack(model: nn.Module) -> int:
         parent, name, child = targets.pop()
         setattr(parent, name, PackedLinear(child) if type(child) is nn.Linear else PackedExpertBank(child))
         swapped += 1
+    model.requires_grad_(False)
     return swapped
 
 
