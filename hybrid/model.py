@@ -63,7 +63,10 @@ class Backbone(nn.Module):
 
     def __init__(self, config: HybridConfig):
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        # built uninitialised (`build_model`): nn.Embedding's own normal_ init on the meta device imports
+        # torch._dynamo, 1.4 s of every load; the weights are always loaded or initialised next
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
+                                       _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(Block(kind, config) for kind in config.hybrid_override_pattern)
         self.norm_f = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
