@@ -18,7 +18,8 @@ runs in its own process (so its peak resident memory is its own), reading the sa
 
 Figures: load seconds; prefill tokens/s and time to first token per prompt length; decode tokens/s at each
 batch size (all rows together); peak resident memory; the cache's bytes after the longest prompt; the
-memory read bandwidth measured in this run and the decode roofline ratio
+memory read bandwidth measured in this run (the median of samples taken before and after the engines) and
+the decode roofline ratio
 `decode tok/s * active weight bytes per token / bandwidth`; our/peer ratios and the issue's targets, each
 printed as pass / fall short. Every timing is the median of `--repeats`. JSON goes to `--out`.
 """
@@ -82,16 +83,16 @@ def make_checkpoint(preset: str, workdir: Path) -> Path:
     return out
 
 
-def measure_bandwidth(repeats: int = 5) -> float:
-    """Read bandwidth in bytes/s: the median time of summing a 1 GiB fp32 tensor."""
+def bandwidth_samples(repeats: int = 5) -> list[float]:
+    """Read bandwidth samples in bytes/s: the times of summing a 1 GiB fp32 tensor."""
     x = torch.ones(2**28)
     x.sum()
-    times = []
+    samples = []
     for _ in range(repeats):
         start = time.perf_counter()
         x.sum()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / statistics.median(times)
+        samples.append(x.nbytes / (time.perf_counter() - start))
+    return samples
 
 
 def peak_rss_bytes() -> int:
@@ -321,13 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     item = {"bf16": 2, "fp32": 4}[args.dtype]
     active_bytes = describe(config, torch.bfloat16 if args.dtype == "bf16" else torch.float32)[
         "active_parameters_per_token"] * item
-    bandwidth = measure_bandwidth()
+    samples = bandwidth_samples()
 
     engines = {"ours": run_worker("ours", args, directory)}
     if "transformers" in args.peers:
         engines["transformers"] = run_worker("transformers", args, directory)
     if "llama.cpp" in args.peers:
         engines["llama.cpp"] = run_llamacpp(args, directory)
+    # sampled before and after the engines: the machine's bandwidth drifts over a run that takes minutes
+    bandwidth = statistics.median(samples + bandwidth_samples())
     if "error" in engines["ours"]:
         print(f"error: our engine failed: {engines['ours']['error']}", file=sys.stderr)
         return 1

@@ -129,6 +129,7 @@ def test_unpack_restores_plain_modules(checkpoint):
     model = hybrid.load_model(directory, dtype="bf16")
     assert onednn.unpack(model) > 0
     assert {type(m) for m in model.modules()} == {type(m) for m in plain.modules()}
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [n for n, _ in plain.named_parameters()]
     a, b = plain.state_dict(), model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     ids = torch.randint(3, 100, (1, 9), generator=torch.Generator().manual_seed(0))

@@ -171,7 +171,8 @@ def prepack(model: nn.Module) -> int:
 
 def unpack(model: nn.Module) -> int:
     """Swap every `PackedLinear` / `PackedExpertBank` of `model` back to a plain module with dense weights,
-    in place (what quantizing or training needs). Returns the number of modules swapped."""
+    in place (what quantizing or training needs), and make its parameters trainable again, as after a plain
+    load. Returns the number of modules swapped."""
     targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, (PackedLinear, PackedExpertBank))]
     swapped = 0
@@ -187,6 +188,8 @@ def unpack(model: nn.Module) -> int:
                 plain.up_proj, plain.down_proj = nn.Parameter(up), nn.Parameter(child.down_proj)
         setattr(parent, name, plain)
         swapped += 1
+    if swapped:
+        model.requires_grad_(True)
     return swapped
 
 
