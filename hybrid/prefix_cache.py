@@ -42,10 +42,13 @@ def model_identity(model: HybridForCausalLM) -> str:
     dtype and first and last elements (a fingerprint, not a full hash: cheap even for a 30B model)."""
     h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
     h.update(str(model.dtype).encode())
-    for name, t in model.state_dict().items():
-        flat = t.detach().reshape(-1)
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy().tobytes())
+    for module_name, module in model.named_modules():  # the state_dict's entries, one module at a time, so
+        tensors = {}                                    # a prepacked model's dense copies never all coexist
+        module._save_to_state_dict(tensors, f"{module_name}." if module_name else "", keep_vars=False)
+        for name, t in tensors.items():
+            flat = t.detach().reshape(-1)
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            h.update(torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy().tobytes())
     return h.hexdigest()
 
 
