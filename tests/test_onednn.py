@@ -65,6 +65,7 @@ def test_packed_expert_bank_matches_bank():
                 u = torch.relu(x[t].float() @ bank.up_proj[e].float().T).square().bfloat16().float()
                 ref[t] += weights[t, j] * (u @ bank.down_proj[e].float().T)
         _assert_bf16_close(packed(x, weights, ids), ref)
+        _assert_bf16_close(packed(x[:1], weights[:1], ids[:1]), ref[:1])  # the single-token path of dispatch
     assert torch.equal(packed.up_proj, bank.up_proj) and torch.equal(packed.down_proj, bank.down_proj)
 
 
