@@ -20,6 +20,8 @@ model that way instead), and `model.parameters()` no longer lists the packed wei
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -157,14 +159,15 @@ def prepack(model: nn.Module) -> int:
         raise RuntimeError("oneDNN bf16 is not available on this CPU / PyTorch build")
     shared = {p.data_ptr() for m in model.modules() if not isinstance(m, (nn.Linear, ExpertBank))
               for p in m.parameters(recurse=False)}  # a head tied to the embedding stays dense: one copy
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if (type(child) is nn.Linear and _eligible(child.weight, shared))
-               or (type(child) is ExpertBank and _eligible(child.up_proj, shared))]
-    swapped = 0
-    while targets:  # popped one at a time, so each dense original is freed as soon as its copy is packed
-        parent, name, child = targets.pop()
-        setattr(parent, name, PackedLinear(child) if type(child) is nn.Linear else PackedExpertBank(child))
-        swapped += 1
+
+    def packed(child: nn.Module) -> nn.Module | None:
+        if type(child) is nn.Linear and _eligible(child.weight, shared):
+            return PackedLinear(child)
+        if type(child) is ExpertBank and _eligible(child.up_proj, shared):
+            return PackedExpertBank(child)
+        return None
+
+    swapped = _swap_children(model, packed)
     model.requires_grad_(False)
     return swapped
 
@@ -173,23 +176,37 @@ def unpack(model: nn.Module) -> int:
     """Swap every `PackedLinear` / `PackedExpertBank` of `model` back to a plain module with dense weights,
     in place (what quantizing or training needs), and make its parameters trainable again, as after a plain
     load. Returns the number of modules swapped."""
-    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, (PackedLinear, PackedExpertBank))]
-    swapped = 0
-    while targets:
-        parent, name, child = targets.pop()
+
+    def plain(child: nn.Module) -> nn.Module | None:
+        if not isinstance(child, _Packed):
+            return None
         with torch.device("meta"):  # built empty, then given the dense weights
             if isinstance(child, PackedLinear):
-                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
-                plain.weight, plain.bias = nn.Parameter(child.weight), child.bias
+                module = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                module.weight, module.bias = nn.Parameter(child.weight), child.bias
             else:
                 up = child.up_proj
-                plain = ExpertBank(child.n_experts, up.shape[2], up.shape[1])
-                plain.up_proj, plain.down_proj = nn.Parameter(up), nn.Parameter(child.down_proj)
-        setattr(parent, name, plain)
-        swapped += 1
+                module = ExpertBank(child.n_experts, up.shape[2], up.shape[1])
+                module.up_proj, module.down_proj = nn.Parameter(up), nn.Parameter(child.down_proj)
+        return module
+
+    swapped = _swap_children(model, plain)
     if swapped:
         model.requires_grad_(True)
+    return swapped
+
+
+def _swap_children(model: nn.Module, replacement: Callable[[nn.Module], nn.Module | None]) -> int:
+    """Replace every submodule for which `replacement(module)` returns a module, one at a time (popped from
+    the list, so each original is freed as soon as its replacement exists). Returns the count."""
+    children = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+    swapped = 0
+    while children:
+        parent, name, child = children.pop()
+        new = replacement(child)
+        if new is not None:
+            setattr(parent, name, new)
+            swapped += 1
     return swapped
 
 
