@@ -39,7 +39,8 @@ from hybrid.model import HybridForCausalLM
 
 def model_identity(model: HybridForCausalLM) -> str:
     """A hex digest naming a model's weights and layout: its config, dtype, and every tensor's name, shape,
-    dtype and first and last elements (a fingerprint, not a full hash: cheap even for a 30B model)."""
+    dtype and first and last elements (a fingerprint, not a full hash: views only for plain weights; the
+    oneDNN-prepacked weights of a bf16 CPU model are read back densely one module at a time, ~1 s per GB)."""
     h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
     h.update(str(model.dtype).encode())
     for module_name, module in model.named_modules():  # the state_dict's entries, one module at a time, so

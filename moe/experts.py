@@ -45,7 +45,8 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
 
     The (token, expert) pairs are sorted by expert (a stable sort of the flattened ids) and gathered once;
     each chosen expert gets its contiguous slice `x_e` [n_e, L]; the weighted outputs are summed per token
-    in fp32. Shared by the float bank and the packed one (`moe.quant.QuantExpertBank`).
+    in fp32. A single token skips the sort: its k experts run in turn. Shared by the float bank, the
+    quantized one (`moe.quant.QuantExpertBank`) and the oneDNN-prepacked one (`hybrid.ops.onednn`).
     """
     T, k = ids.shape
     if T == 1:  # one token (decode at batch 1): its k experts in turn, nothing to sort or scatter
