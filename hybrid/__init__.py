@@ -8,16 +8,17 @@
 from hybrid.cache import HybridCache
 from hybrid.checkpoint_files import CheckpointError
 from hybrid.config import ConfigError, HybridConfig
-from hybrid.generate import Completion, generate
+from hybrid.generate import generate
 from hybrid.loading import load, load_model
 from hybrid.model import HybridForCausalLM
 from hybrid.prefix_cache import PrefixCache
+from hybrid.sampling import Completion, SamplingParams
 from hybrid.saving import save_checkpoint
 from hybrid.speculative import SpeculativeStats, speculative_generate_ids
 from hybrid.tokenizer import Tokenizer
 
 __all__ = [
     "CheckpointError", "Completion", "ConfigError", "HybridCache", "HybridConfig", "HybridForCausalLM",
-    "PrefixCache", "SpeculativeStats", "Tokenizer", "generate", "load", "load_model", "save_checkpoint",
-    "speculative_generate_ids",
+    "PrefixCache", "SamplingParams", "SpeculativeStats", "Tokenizer", "generate", "load", "load_model",
+    "save_checkpoint", "speculative_generate_ids",
 ]

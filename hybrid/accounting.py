@@ -16,8 +16,11 @@ from collections import Counter
 import torch
 
 from hybrid.config import ATTENTION, LAYER_CHARS, MAMBA, HybridConfig
+from hybrid.dtypes import dtype_name, torch_dtype
 from hybrid.loading import build_model
-from hybrid.quantized_loading import apply_quant_config
+from hybrid.quantization import quantize_modules
+from moe.quant import PackedWeight
+from moe.quant.config import QuantConfig
 
 _KIND_NAMES = {"M": "mamba2", "*": "attention", "E": "moe", "-": "mlp"}
 
@@ -27,21 +30,23 @@ def _packed(model) -> dict[str, tuple[str, int]]:
     data tensor stands for the whole [E?, out, in] weight, the scales for none."""
     out = {}
     for mname, module in model.named_modules():
-        fmt = getattr(module, "fmt", None)
-        if fmt is not None and getattr(module, "keeps_dtypes", False):
-            n = (module.n_experts or 1) * module.out_features * module.in_features
-            out.update({f"{mname}.{b}": (fmt.label, n if b == fmt.names["data"] else 0) for b in module._buffers})
+        if isinstance(module, PackedWeight):
+            data = module.fmt.names["data"]
+            out.update({f"{mname}.{b}": (module.fmt.label, module.numel if b == data else 0)
+                        for b, _ in module.named_buffers(recurse=False)})
     return out
 
 
-def describe(config: HybridConfig, dtype: torch.dtype, quant=None) -> dict:
+def describe(config: HybridConfig, dtype: torch.dtype, quant: QuantConfig | None = None) -> dict:
     """A JSON-ready summary of `config` when loaded in `dtype` (see the module docstring).
 
     quant: a `moe.quant.config.QuantConfig` to apply (packed sizes), or None.
+    Raises:
+        ValueError: `quant` cannot apply to this config (the message names the config and module).
     """
     model = build_model(config, dtype, device="meta")
     if quant is not None:
-        apply_quant_config(model, quant)
+        quantize_modules(model, quant)
     packed = _packed(model)
     total = active = embedding = mtp = 0
     nbytes: Counter[str] = Counter()
@@ -53,9 +58,9 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant=None) -> dict:
             continue
         seen.add(id(t))
         b = t.numel() * t.element_size()
-        dtype_name = str(t.dtype).removeprefix("torch.")
-        label, n = packed.get(name, (dtype_name, t.numel()))
-        nbytes[dtype_name] += b
+        name_of_dtype = dtype_name(t.dtype)
+        label, n = packed.get(name, (name_of_dtype, t.numel()))
+        nbytes[name_of_dtype] += b
         by_format[label] += b
         if name.startswith("mtp."):
             mtp += n
@@ -70,7 +75,7 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant=None) -> dict:
         else:
             active += n
     item = torch.empty((), dtype=dtype).element_size()
-    ssm_item = torch.empty((), dtype=getattr(torch, config.mamba_ssm_cache_dtype)).element_size()
+    ssm_item = torch_dtype(config.mamba_ssm_cache_dtype).itemsize
     n_attn = len(config.layer_indices(ATTENTION))
     n_mamba = len(config.layer_indices(MAMBA))
     kv_per_token = n_attn * 2 * config.num_key_value_heads * config.head_dim * item
@@ -79,14 +84,14 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant=None) -> dict:
     return {
         "pattern": config.hybrid_override_pattern,
         "layers": {_KIND_NAMES[k]: config.hybrid_override_pattern.count(k) for k in LAYER_CHARS},
-        "dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
         "parameters": total,
         "active_parameters_per_token": round(active),
         "embedding_parameters": embedding,
         "bytes_by_dtype": dict(sorted(nbytes.items())),
         "bytes_by_format": dict(sorted(by_format.items())),
         "quantization": None if quant is None else {"method": quant.method, "source": quant.source,
-                                                    "formats": sorted(quant.kinds()), "kv_cache": quant.kv_cache},
+                                                    "formats": sorted(quant.labels()), "kv_cache": quant.kv_cache},
         "weight_bytes": sum(nbytes.values()),
         "kv_cache_bytes_per_token": kv_per_token,
         "mamba_state_bytes_per_sequence": n_mamba * (conv_bytes + ssm_bytes),
@@ -97,7 +102,7 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant=None) -> dict:
 def resident_bytes(model) -> int:
     """Bytes of the distinct tensor storages a loaded model holds: parameters, buffers, and any tensor kept
     as a plain module attribute or in a list attribute (so a cached dequantized weight, or the oneDNN-packed
-    weights of `hybrid.ops.onednn`, counted as their logical size, are counted too)."""
+    weights of `moe.quant.prepacked`, counted as their logical size, are counted too)."""
     seen, total = set(), 0
     tensors = list(model.parameters()) + list(model.buffers())
     for m in model.modules():

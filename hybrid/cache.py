@@ -1,7 +1,18 @@
 """The inference state of a batch: per layer, a KV cache (attention) or a conv window and SSM state (Mamba).
 
-One object per batch. Every forward on it appends its tokens, whatever their number, so prefill, chunked
-prefill, decode and the verification of several draft tokens are one code path (tests/test_cases.py, case 6).
+`Cache` is the interface the model, its layers and the prefix cache use; `HybridCache` is its dense
+implementation (every row in preallocated tensors). Every forward on a cache appends its tokens, whatever
+their number, so prefill, chunked prefill, decode and the verification of several draft tokens are one code
+path (tests/test_cases.py, case 6).
+
+The layers reach their state only through `Cache.layer(i)`, which gives
+- an attention layer a handle with `update(k, v, start) -> (keys, values)`: append this forward's keys and
+  values and read all of them (`KVCache`);
+- a Mamba layer a handle with `conv` [B, conv_dim, K-1] and `ssm` [B, nh, P, N] tensors that it reads and
+  updates in place, and `history`, where a recorded forward keeps the state after each token
+  (`MambaState`).
+The prefix cache uses only `snapshot_kv`, `snapshot_mamba` and `restore` (per row: the keys and values over a
+token range, the Mamba states at the row's end).
 
 Padding: a forward may carry a `[B, T]` mask of real tokens. Masked positions are "not there": they never
 reach a Mamba state (dt = 0, the conv window skips them) and attention never attends to them. The cache
@@ -11,56 +22,13 @@ no meaning otherwise (no RoPE), so a left- or right-padded row continues exactly
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from hybrid.config import ATTENTION, MAMBA, HybridConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class MambaState:
-    """Constant-size state of one Mamba-2 layer.
-
-    conv: [B, conv_dim, conv_kernel - 1], model dtype: the last K-1 inputs of the causal conv.
-    ssm: [B, mamba_num_heads, mamba_head_dim, ssm_state_size], fp32 (`mamba_ssm_cache_dtype`).
-    history: while a forward records (`HybridCache.begin(..., record=True)`), the (conv, ssm) state after
-        each of its tokens, so that `HybridCache.rollback` can return to any of them.
-    """
-
-    conv: torch.Tensor
-    ssm: torch.Tensor
-    history: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-
-
-class KVCache:
-    """Keys and values of one attention layer, preallocated and grown geometrically.
-
-    k, v: [B, num_key_value_heads, capacity, head_dim]; positions [0, seq_len) are valid.
-    """
-
-    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 0):
-        self.k = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
-
-    def write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, nkv, T, hd] at positions [start, start+T); return views of [0, start+T)."""
-        end = start + k.shape[2]
-        if end > self.k.shape[2]:
-            self._grow(max(end, 2 * self.k.shape[2]))
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def _grow(self, capacity: int) -> None:
-        old = self.k.shape[2]
-        for name in ("k", "v"):
-            t = getattr(self, name)
-            new = t.new_zeros(*t.shape[:2], capacity, t.shape[3])
-            new[:, :, :old] = t
-            setattr(self, name, new)
+from hybrid.dtypes import torch_dtype
 
 
 @dataclass
@@ -70,6 +38,7 @@ class StepContext:
     past: positions already in the cache before this forward.
     mask: [B, T] bool, True for real tokens, or None when every token is real.
     key_mask: [B, past + T] bool over every position attention may look at, or None when all are real.
+    record: the Mamba layers keep their state after each token (see `Cache.rollback`).
     """
 
     past: int
@@ -78,13 +47,100 @@ class StepContext:
     record: bool = False
 
 
-class HybridCache:
-    """Inference state for a batch of `batch_size` sequences (see the module docstring).
+@dataclass
+class MambaState:
+    """Constant-size state of one Mamba-2 layer (the handle a Mamba mixer gets from `Cache.layer`).
+
+    conv: [B, conv_dim, conv_kernel - 1], model dtype: the last K-1 inputs of the causal conv.
+    ssm: [B, mamba_num_heads, mamba_head_dim, ssm_state_size], fp32 (`mamba_ssm_cache_dtype`).
+    history: while a forward records, the (conv, ssm) state after each of its tokens, so that
+        `Cache.rollback` can return to any of them.
+    """
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    history: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+class KVCache:
+    """Keys and values of one attention layer, preallocated and grown geometrically (the handle an attention
+    layer gets from `Cache.layer`).
+
+    k, v: [B, num_key_value_heads, capacity, head_dim]; positions [0, seq_len) are valid.
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 0):
+        self.k = torch.zeros(batch_size, num_kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this forward's k, v [B, nkv, T, hd] at positions [start, start+T) (`start` = the forward's
+        `ctx.past`); return views of all keys and values, [0, start+T)."""
+        end = start + k.shape[2]
+        self.reserve(end)
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for `capacity` positions (at least doubling when it grows), keeping what is stored."""
+        old = self.k.shape[2]
+        if capacity <= old:
+            return
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            new = t.new_zeros(*t.shape[:2], max(capacity, 2 * old), t.shape[3])
+            new[:, :, :old] = t
+            setattr(self, name, new)
+
+
+class Cache(ABC):
+    """The inference state of a batch of sequences, as the model and the prefix cache use it.
+
+    `seq_len` counts the positions stored (padding included); `key_mask` [B, seq_len] marks the real ones
+    (None while every position is real).
+    """
+
+    batch_size: int
+    seq_len: int
+    key_mask: torch.Tensor | None
+
+    @abstractmethod
+    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None, record: bool = False) -> StepContext:
+        """Account for `num_tokens` new positions with real-token `mask` [B, T] (or None); return the context
+        the layers of this forward read."""
+
+    @abstractmethod
+    def layer(self, i: int) -> KVCache | MambaState | None:
+        """The state handle of layer `i` (of the pattern the cache was made for): see the module docstring."""
+
+    @abstractmethod
+    def rollback(self, keep: int) -> None:
+        """Keep the first `keep` tokens of the last recorded forward and forget the rest."""
+
+    @abstractmethod
+    def snapshot_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row `row`'s keys and values over positions [start, end), per attention layer:
+        (k, v) [num_key_value_heads, end - start, head_dim]."""
+
+    @abstractmethod
+    def snapshot_mamba(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of row `row`'s Mamba states at its current end, per Mamba layer: (conv [conv_dim, K-1],
+        ssm [nh, P, N])."""
+
+    @abstractmethod
+    def restore(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                mamba: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Make row `row` hold `length` real positions: `kv` per attention layer ([nkv, length, hd] each) and
+        the Mamba states `mamba` at their end (the forms `snapshot_kv` and `snapshot_mamba` return)."""
+
+
+class HybridCache(Cache):
+    """The dense inference state of `batch_size` sequences (see the module docstring); all rows share one
+    length (shorter rows are padded and masked).
 
     layers[i] is a `KVCache` for attention layers, a `MambaState` for Mamba layers, None otherwise, one per
     character of `pattern` (default: the main stack's; the MTP block's cache uses `config.mtp_pattern`).
-    `seq_len` counts the positions stored (padding included); `key_mask` [B, seq_len] marks the real ones
-    (None while every position is real).
     """
 
     def __init__(
@@ -101,7 +157,7 @@ class HybridCache:
         self.seq_len = 0
         self.key_mask: torch.Tensor | None = None
         self._recorded = 0
-        ssm_dtype = _DTYPES[config.mamba_ssm_cache_dtype]
+        ssm_dtype = torch_dtype(config.mamba_ssm_cache_dtype)
         self.layers: list[KVCache | MambaState | None] = []
         for kind in config.hybrid_override_pattern if pattern is None else pattern:
             if kind == ATTENTION:
@@ -121,11 +177,14 @@ class HybridCache:
             else:
                 self.layers.append(None)
 
-    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None, record: bool = False) -> StepContext:
-        """Account for `num_tokens` new positions with real-token `mask` [B, T] (or None); return the context.
+    def layer(self, i: int) -> KVCache | MambaState | None:
+        return self.layers[i]
 
-        With `record`, the Mamba layers keep their state after each new token, so that `rollback` can later
-        keep only a prefix of them (speculative decoding verifies several draft tokens in one forward).
+    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None, record: bool = False) -> StepContext:
+        """See `Cache.begin`. With `record`, the Mamba layers keep their state after each new token, so that
+        `rollback` can later keep only a prefix of them (speculative decoding verifies several draft tokens
+        in one forward).
+
         Raises:
             ValueError: the batch size differs from the cache's, or `record` is combined with padding.
         """
@@ -182,7 +241,45 @@ class HybridCache:
         if self.key_mask is not None:
             self.key_mask = self.key_mask[:, :seq_len]
 
-    def fill_rows(self, rows: list["HybridCache"]) -> None:
+    # ------------------------------------------------------------------------------------------ snapshots
+    def _kv_layers(self) -> list[KVCache]:
+        return [layer for layer in self.layers if isinstance(layer, KVCache)]
+
+    def _mamba_layers(self) -> list[MambaState]:
+        return [layer for layer in self.layers if isinstance(layer, MambaState)]
+
+    def snapshot_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not 0 <= start <= end <= self.seq_len:
+            raise ValueError(f"positions [{start}, {end}) are not within the {self.seq_len} stored")
+        return [(kv.k[row, :, start:end].clone(), kv.v[row, :, start:end].clone()) for kv in self._kv_layers()]
+
+    def snapshot_mamba(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(m.conv[row].clone(), m.ssm[row].clone()) for m in self._mamba_layers()]
+
+    def restore(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                mamba: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """See `Cache.restore`. The rows of a dense cache share one length: the cache must be empty (it then
+        holds `length` positions) or already hold `length`.
+
+        Raises:
+            ValueError: another length is stored, or the snapshot does not have this cache's layers.
+        """
+        if self.seq_len not in (0, length):
+            raise ValueError(f"cannot restore {length} positions into a cache holding {self.seq_len}")
+        kv_layers, mamba_layers = self._kv_layers(), self._mamba_layers()
+        if len(kv) != len(kv_layers) or len(mamba) != len(mamba_layers):
+            raise ValueError(f"the snapshot has {len(kv)} attention and {len(mamba)} Mamba layers; this cache has "
+                             f"{len(kv_layers)} and {len(mamba_layers)}")
+        for layer, (k, v) in zip(kv_layers, kv):
+            layer.reserve(length)
+            layer.k[row, :, :length] = k
+            layer.v[row, :, :length] = v
+        for layer, (conv, ssm) in zip(mamba_layers, mamba):
+            layer.conv[row].copy_(conv)
+            layer.ssm[row].copy_(ssm)
+        self.seq_len = length
+
+    def fill_rows(self, rows: list[Cache]) -> None:
         """Fill this empty cache, row by row, from batch-1 caches of the same model (copies).
 
         Rows of different lengths are right-aligned, the earlier positions of shorter rows masked out, so
@@ -196,37 +293,30 @@ class HybridCache:
             raise ValueError(f"fill_rows needs {self.batch_size} batch-1 caches")
         S = max(r.seq_len for r in rows)
         key_mask = torch.zeros(self.batch_size, S, dtype=torch.bool)
+        kv_layers, mamba_layers = self._kv_layers(), self._mamba_layers()
+        for layer in kv_layers:
+            layer.reserve(S)
         for b, row in enumerate(rows):
             off = S - row.seq_len
             key_mask[b, off:] = True if row.key_mask is None else row.key_mask[0].cpu()
-            for mine, theirs in zip(self.layers, row.layers):
-                if isinstance(mine, KVCache):
-                    if mine.k.shape[2] < S:
-                        mine._grow(S)
-                    mine.k[b, :, off:S] = theirs.k[0, :, : row.seq_len]
-                    mine.v[b, :, off:S] = theirs.v[0, :, : row.seq_len]
-                elif isinstance(mine, MambaState):
-                    mine.conv[b] = theirs.conv[0]
-                    mine.ssm[b] = theirs.ssm[0]
+            for layer, (k, v) in zip(kv_layers, row.snapshot_kv(0, 0, row.seq_len)):
+                layer.k[b, :, off:S] = k
+                layer.v[b, :, off:S] = v
+            for layer, (conv, ssm) in zip(mamba_layers, row.snapshot_mamba(0)):
+                layer.conv[b] = conv
+                layer.ssm[b] = ssm
         self.seq_len = S
         self.key_mask = None if bool(key_mask.all()) else key_mask.to(self.device)
 
     # ------------------------------------------------------------------------------------------ sizes
     def kv_nbytes(self) -> int:
         """Bytes of the attention layers' keys and values for the stored positions."""
-        return sum(
-            2 * layer.k[:, :, : self.seq_len].nelement() * layer.k.element_size()
-            for layer in self.layers
-            if isinstance(layer, KVCache)
-        )
+        return sum(2 * layer.k[:, :, : self.seq_len].nelement() * layer.k.element_size() for layer in self._kv_layers())
 
     def state_nbytes(self) -> int:
         """Bytes of the Mamba layers' conv windows and SSM states (independent of the sequence length)."""
-        return sum(
-            layer.conv.nelement() * layer.conv.element_size() + layer.ssm.nelement() * layer.ssm.element_size()
-            for layer in self.layers
-            if isinstance(layer, MambaState)
-        )
+        return sum(layer.conv.nelement() * layer.conv.element_size() + layer.ssm.nelement() * layer.ssm.element_size()
+                   for layer in self._mamba_layers())
 
     def nbytes(self) -> int:
         """Total bytes of inference state for the stored positions: KV + Mamba state."""

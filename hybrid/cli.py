@@ -5,6 +5,7 @@
                     [--prefix-cache FILE [--prefix-block-size B]] [--json]
     hybrid info [MODEL] [--format fp8|nvfp4|mxfp4] [--json]
     hybrid quantize SRC DST --format fp8|nvfp4|mxfp4 [--exclude PATTERN ...] [--calibration-samples N]
+    (--format: also any format registered in `moe.quant.formats`)
 
 MODEL is a checkpoint directory or a hub repo id; without MODEL, `generate` and `info` use the default
 checkpoint in `checkpoints/`. `info` also accepts a bare config.json (no weights needed).
@@ -119,9 +120,9 @@ def _info(args) -> int:
 
         quant = plan(config, args.format)
     else:
-        from hybrid.quantized_loading import read_quant_config
+        from hybrid.quantization import read_quant_config
 
-        quant = read_quant_config(config_path.parent)
+        quant = read_quant_config(config_path.parent, config)
     report = describe(config, parse_dtype(args.dtype, config), quant)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -152,17 +153,17 @@ def _quantize(args) -> int:
     from hybrid.calibration import calibration_batches
     from hybrid.checkpoint_files import resolve_checkpoint
     from hybrid.loading import load
-    from hybrid.quantize import quantize_model
+    from hybrid.quantize import has_static_inputs, quantize_model
     from hybrid.saving import save_checkpoint
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args.src, dtype=args.dtype, prepack=False)
-    if getattr(model, "quantization", None) is not None:
+    if model.quantization is not None:
         print(f"error: {args.src} is already quantized ({model.quantization.source})", file=sys.stderr)
         return 2
     batches = None
-    if args.format != "mxfp4" and args.calibration_samples:
+    if has_static_inputs(args.format) and args.calibration_samples:
         texts = [Path(args.calibration_file).read_text()] if args.calibration_file else None
         batches = calibration_batches(tokenizer, args.calibration_samples, args.calibration_length, texts)
     quantize_model(model, args.format, exclude=args.exclude, calibration=batches)
@@ -204,6 +205,11 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import PackageNotFoundError, version
 
+    from hybrid.dtypes import ALIASES
+    from moe.quant.formats import QUANTIZE_FORMATS
+
+    dtypes, formats = sorted(ALIASES), sorted(QUANTIZE_FORMATS)  # bf16 fp16 fp32; fp8 mxfp4 nvfp4 (+ registered)
+
     try:
         v = version("hybrid-moe")
     except PackageNotFoundError:
@@ -224,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=_positive_int, default=None, help="sample from the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with probability >= p")
     g.add_argument("--seed", type=int, default=None, help="seed of the sampler")
-    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the checkpoint's dtype")
+    g.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")
@@ -241,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     i.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory, config.json file, or hub repo id (default: shipped checkpoint)")
-    i.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None, help="default: the config's dtype")
-    i.add_argument("--format", choices=["fp8", "nvfp4", "mxfp4"], default=None,
+    i.add_argument("--dtype", choices=dtypes, default=None, help="default: the config's dtype")
+    i.add_argument("--format", choices=formats, default=None,
                    help="report the sizes after `hybrid quantize --format F` with the default exclusions")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_info)
@@ -251,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=fmt)
     q.add_argument("src", help="float checkpoint directory or hub repo id")
     q.add_argument("dst", help="output directory")
-    q.add_argument("--format", required=True, choices=["fp8", "nvfp4", "mxfp4"])
+    q.add_argument("--format", required=True, choices=formats)
     q.add_argument("--exclude", nargs="*", default=None, metavar="PATTERN",
                    help="modules to keep unquantized (fnmatch wildcards over module names); replaces the default "
                         "list (lm_head, embeddings, attention, the Mamba layer feeding each attention layer, conv1d, "
@@ -260,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="token windows for the static input scales (fp8, nvfp4); 0: scales of 1.0")
     q.add_argument("--calibration-length", type=_positive_int, default=256, help="tokens per calibration window")
     q.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: built-in text)")
-    q.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+    q.add_argument("--dtype", choices=dtypes, default=None,
                    help="dtype of the unquantized tensors (default: the checkpoint's)")
     q.add_argument("--max-shard-bytes", type=_positive_int, default=None, help="split the weights into shards")
     q.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybrid.dtypes import DTYPES
+
 MAMBA, ATTENTION, MOE, MLP = "M", "*", "E", "-"
 LAYER_CHARS = (MAMBA, ATTENTION, MOE, MLP)
 
@@ -45,7 +47,7 @@ _LEGACY_NAMES = {
     "mamba_chunk_size": "chunk_size",
 }
 
-_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+_DTYPE_NAMES = tuple(DTYPES)
 
 # Fields that fix tensor shapes: a config.json that uses a layer kind must state them (no silent defaults).
 _REQUIRED = {

@@ -1,4 +1,4 @@
-"""Autoregressive generation: sampling, batches of prompts with left padding, streaming, speed figures.
+"""Autoregressive generation: batches of prompts with left padding, streaming, speed figures.
 
 One forward path serves everything: the prompt is prefilled (in chunks of `prefill_chunk_size` tokens, so
 attention memory stays bounded on long prompts) into a `HybridCache`, then each step feeds one token per
@@ -8,12 +8,14 @@ row. A left-padded row gives the same tokens as the prompt run alone (tests/test
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from hybrid.batch import left_pad
 from hybrid.model import HybridForCausalLM
+from hybrid.sampling import Completion, Sampling, SamplingParams, sample
+from hybrid.speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
     from hybrid.prefix_cache import PrefixCache
@@ -24,92 +26,12 @@ if TYPE_CHECKING:
 PREFILL_CHUNK_SIZE = 512
 
 
-@dataclass
-class Completion:
-    """One generated continuation.
-
-    token_ids: the generated ids, the stop token included when `finish_reason == "stop"`.
-    text: the decoded continuation without special tokens and without the stop token.
-    finish_reason: "stop" (a stop id was produced) or "length" (`max_new_tokens` reached).
-    acceptance_rate: with speculative decoding, the share of drafted tokens the model accepted.
-    prefill_seconds / decode_seconds: wall time of the batch's prefill (up to the first token) and of the
-    decode steps after it; the rates count this row's tokens.
-    """
-
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    prefill_seconds: float
-    decode_seconds: float
-    text: str = ""
-    acceptance_rate: float | None = None
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("inf")
-
-    @property
-    def decode_tokens_per_s(self) -> float | None:
-        """Tokens per second of the decode steps (the first token comes from the prefill); None if none ran."""
-        steps = len(self.token_ids) - 1
-        if steps < 1:
-            return None
-        return steps / self.decode_seconds if self.decode_seconds > 0 else float("inf")
-
-
-@dataclass
-class SamplingParams:
-    """temperature 0 (or None) is greedy (ties: lowest id); top_k / top_p filter before sampling."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    generator: torch.Generator | None = field(default=None, repr=False)
-
-    def __post_init__(self):
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.seed)
-
-
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution tokens are drawn from: softmax(logits / temperature) restricted to the top-k tokens
-    and to the smallest top-p prefix, renormalised. logits [B, V] -> probs [B, V] fp32; greedy (temperature
-    0) is the one-hot of the argmax."""
-    if not params.temperature:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits.float() / params.temperature
-    if params.top_k is not None and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits.softmax(dim=-1)
-
-
-def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Next token ids [B] from logits [B, V] (fp32)."""
-    if not params.temperature:
-        return logits.argmax(dim=-1)
-    probs = filtered_probs(logits, params)
-    return torch.multinomial(probs.cpu(), 1, generator=params.generator)[:, 0].to(logits.device)
-
-
 @torch.inference_mode()
 def generate_ids(
     model: HybridForCausalLM,
     prompts: list[list[int]],
     max_new_tokens: int = 256,
-    sampling: SamplingParams | None = None,
+    sampling: Sampling | None = None,
     stop_ids: list[int] | tuple[int, ...] = (),
     pad_id: int = 0,
     prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
@@ -120,6 +42,7 @@ def generate_ids(
 
     Args:
         prompts: B lists of token ids, each non-empty.
+        sampling: one `SamplingParams` for every row, or a list of B (each row with its own generator).
         on_tokens: called after each step with the new token of each row (None for finished rows).
         prefix_cache: a `hybrid.prefix_cache.PrefixCache` of this model: each prompt resumes from its
             longest cached prefix and leaves its own blocks cached (rows are prefilled one by one).
@@ -133,14 +56,10 @@ def generate_ids(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampling = sampling or SamplingParams()
-    B, L = len(prompts), max(len(p) for p in prompts)
     device = model.device
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    for row, p in enumerate(prompts):
-        ids[row, L - len(p):] = torch.tensor(p)
-        mask[row, L - len(p):] = True
-    ids, mask = ids.to(device), mask.to(device)
+    batch = left_pad(prompts, pad_id, device)
+    ids, mask = batch.ids, batch.mask
+    B, L = ids.shape
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
 
     start = time.perf_counter()
@@ -261,8 +180,6 @@ def generate(
     stream = _TextStream(tokenizer, len(ids), on_text, stop_ids) if on_text else None
     sampling = SamplingParams(temperature, top_k, top_p, seed)
     if speculative:
-        from hybrid.speculative import speculative_generate_ids
-
         c, stats = speculative_generate_ids(model, ids[0], max_new_tokens, speculative, sampling, stop_ids,
                                             on_tokens=stream)
         c.acceptance_rate = stats.acceptance_rate

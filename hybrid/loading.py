@@ -4,7 +4,7 @@ Published names map one to one onto our modules, except the routed experts, whic
 tensor per expert (`...mixer.experts.{j}.up_proj.weight [I, L]`) and we hold stacked
 (`...mixer.experts.up_proj [E, I, L]`); an already stacked tensor under our name is accepted too.
 Quantized checkpoints (FP8, NVFP4, MXFP4 in ModelOpt, compressed-tensors or gpt-oss layout) are read
-through `hybrid.quantized_loading`: the model is built on meta, the affected Linears and expert banks are
+through `hybrid.quantization`: the model is built on meta, the affected Linears and expert banks are
 swapped for packed modules, and their tensors (`weight`, `weight_scale`, ..., per expert
 `...experts.{j}.up_proj.weight_scale` stacked into `...experts.up_proj.weight_scale`) load name for name,
 kept in their stored dtypes.
@@ -13,8 +13,9 @@ the files the model does not use, or a shape that differs from the config's is a
 `tie_word_embeddings` the head is the embedding matrix, and an `lm_head.weight` in the files must equal it.
 
 Each tensor is read from a memory map and copied once, straight into its final dtype and device; its pages
-of the map are then dropped from the process (`CheckpointFiles.release`), so loading holds one copy.
-A bf16 model on a CPU with oneDNN bf16 is then prepacked for inference (`hybrid.ops.onednn`).
+of the map are then dropped from the process (`CheckpointFiles.release`), so loading holds one copy. The
+model's identity (`HybridForCausalLM.identity`) is taken from the loaded tensors. A bf16 model on a CPU
+with oneDNN bf16 is then prepacked for inference (`moe.prepack`).
 """
 
 from __future__ import annotations
@@ -23,38 +24,33 @@ import re
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from hybrid.checkpoint_files import CheckpointError, CheckpointFiles, resolve_checkpoint
 from hybrid.config import HybridConfig
+from hybrid.dtypes import torch_dtype
 from hybrid.model import HybridForCausalLM
-from hybrid.ops import onednn
-from hybrid.quantized_loading import apply_quant_config, mismatch_message, packed_owner, read_quant_config
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
+from moe.prepack import prepack as prepack_model
+from moe.quant import PackedWeight, QuantFormat
+from moe.quant.config import QuantConfig
+from moe.quant.kernels import onednn
 
 # `...experts.up_proj` (a float bank) or `...experts.up_proj.weight_scale` (a packed bank's tensors)
-_STACKED_EXPERTS = re.compile(r"^(?P<prefix>.+\.mixer\.experts)\.(?P<proj>up_proj|down_proj)(?P<tensor>\.\w+)?$")
+STACKED_EXPERTS = re.compile(r"^(?P<prefix>.+\.mixer\.experts)\.(?P<proj>up_proj|down_proj)(?P<tensor>\.\w+)?$")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _QUANT_TENSOR_NAMES = {"weight_scale", "weight_scale_2", "input_scale", "weight_packed", "weight_global_scale",
                        "input_global_scale", "weight_blocks", "weight_scales", "k_scale", "v_scale"}
 
 
 def parse_dtype(dtype: str | torch.dtype | None, config: HybridConfig) -> torch.dtype:
-    """The compute dtype: an explicit `dtype` (bf16, fp16, fp32 or a torch dtype), else the config's.
+    """The compute dtype: an explicit `dtype` (bf16, fp16, fp32, a config name or a torch dtype), else the
+    config's `torch_dtype`.
 
     Raises:
         ValueError: an unknown dtype name.
     """
-    if dtype is None:
-        return DTYPES[config.torch_dtype]
-    if isinstance(dtype, torch.dtype):
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype {dtype} is not supported; use bfloat16, float16 or float32")
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; expected one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+    return torch_dtype(config.torch_dtype if dtype is None else dtype)
 
 
 def build_model(config: HybridConfig, dtype: torch.dtype, device: str | torch.device = "meta") -> HybridForCausalLM:
@@ -82,7 +78,7 @@ def load_model(
         act_quant: for a quantized checkpoint, also quantize-dequantize the inputs of packed matmuls
             (W8A8 / W4A4 emulation) instead of the default weight-only compute.
         prepack: bf16 on a CPU with oneDNN bf16 support: hold the linear and expert weights in oneDNN's
-            blocked layout (`hybrid.ops.onednn`; matrix-vector products 1.4-1.8x faster). The model is then for
+            blocked layout (`moe.prepack`; matrix-vector products 1.4-1.8x faster). The model is then for
             inference only; pass False to keep plain `nn.Linear` modules (to quantize or train it).
     Raises:
         ConfigError: config.json unreadable or invalid (names the file and field).
@@ -92,15 +88,19 @@ def load_model(
     """
     directory = resolve_checkpoint(path_or_repo, revision)
     config = HybridConfig.from_file(directory / "config.json")
-    quant = read_quant_config(directory)
+    quant = read_quant_config(directory, config)
     model = build_model(config, parse_dtype(dtype, config))
     files = CheckpointFiles(directory)
     if quant is not None:
-        apply_quant_config(model, quant, files, act_quant=act_quant)
+        try:
+            quantize_modules(model, quant, act_quant=act_quant)
+        except ValueError as e:
+            raise CheckpointError(f"quantized checkpoint: {e}") from None
+        register_kv_scales(model, quant, files)
     load_weights(model, files, device)
     del files  # unmaps the checkpoint
     if prepack and model.dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn.available():
-        onednn.prepack(model)
+        prepack_model(model)
     return model.eval()
 
 
@@ -111,7 +111,7 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
         CheckpointError: see the module docstring; the message names the tensor(s) and file(s).
     """
     config = model.config
-    packed = packed_owner(model)
+    packed = _packed_owner(model)
     targets = model.state_dict(keep_vars=True)
     tied = config.tie_word_embeddings
     used: set[str] = set()
@@ -154,7 +154,7 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
         )
     unused = sorted(set(files.keys()) - used)
     if unused:
-        quant = getattr(model, "quantization", None)
+        quant = model.quantization
         hint = ""
         if any(u.rpartition(".")[2] in _QUANT_TENSOR_NAMES for u in unused):
             hint = (f"; quantization tensors of modules that {quant.source} leaves unquantized" if quant is not None
@@ -163,14 +163,14 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
             f"{files.directory}: {len(unused)} tensor(s) in the files are not used by the model "
             f"(pattern {config.hybrid_override_pattern!r}): {_first(unused)}{hint}"
         )
-    model.load_state_dict(loaded, strict=True, assign=True)
+    model.load_state_dict(loaded, strict=True, assign=True)  # also takes the identity's weights digest
     if tied:
         model.lm_head.weight = model.backbone.embeddings.weight
 
 
 def _source_names(name: str, target: torch.Tensor, files: CheckpointFiles) -> list[str]:
     """Checkpoint tensor names that make up model tensor `name` (several for stacked experts)."""
-    m = _STACKED_EXPERTS.match(name)
+    m = STACKED_EXPERTS.match(name)
     if m and name not in files:
         return [f"{m['prefix']}.{j}.{m['proj']}{m['tensor'] or '.weight'}" for j in range(target.shape[0])]
     return [name]
@@ -180,8 +180,8 @@ def _squeezed(shape) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
 
-def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles, model_name: str | None = None,
-                  owner=None, model=None) -> None:
+def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles, model_name: str,
+                  owner: tuple[str, QuantFormat] | None, model: HybridForCausalLM) -> None:
     """Copy file tensor `name` into `out`, refusing any shape or dtype the target does not declare.
 
     A packed module's tensors (`owner` = (module, format)) keep their dtype exactly; their shapes may differ
@@ -192,13 +192,13 @@ def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles, model_na
     if owner is not None:
         module, fmt = owner
         if dtype != out.dtype or (shape != tuple(out.shape) and _squeezed(shape) != _squeezed(out.shape)):
-            raise CheckpointError(mismatch_message(files, name, model_name, module, fmt, tuple(out.shape), out.dtype,
-                                                   getattr(model, "quantization", None)))
+            raise CheckpointError(_mismatch(files, name, model_name, module, fmt, tuple(out.shape), out.dtype,
+                                            model.quantization))
         out.copy_(files.view(name).reshape(out.shape))
         files.release(name)
         return
     if dtype not in _FLOAT_DTYPES:
-        quant = getattr(model, "quantization", None)
+        quant = model.quantization
         why = ("quantized tensors need a quantization config" if quant is None else
                f"quantized checkpoint: {quant.source} leaves this module unquantized, so a floating-point weight "
                "is expected")
@@ -209,6 +209,21 @@ def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles, model_na
         )
     out.copy_(files.view(name))
     files.release(name)
+
+
+def _packed_owner(model: nn.Module) -> dict[str, tuple[str, QuantFormat]]:
+    """{state-dict name: (module name, format)} of every tensor held by a packed module."""
+    return {f"{name}.{tname}": (name, module.fmt) for name, module in model.named_modules()
+            if isinstance(module, PackedWeight) for tname, _ in module.named_buffers(recurse=False)}
+
+
+def _mismatch(files: CheckpointFiles, source: str, model_name: str, module: str, fmt: QuantFormat, want_shape,
+              want_dtype, qc: QuantConfig | None) -> str:
+    """Why file tensor `source` cannot fill a packed module's tensor (names the config that declared it)."""
+    where = qc.source if qc is not None else "the quantization config"
+    return (f"{files.file_of(source)}: quantized checkpoint: tensor {source!r} is {files.dtype(source)} "
+            f"{list(files.shape(source))}, but {where} declares module {module!r} {fmt.label}, which stores "
+            f"{model_name.rpartition('.')[2]!r} as {want_dtype} {list(want_shape)}")
 
 
 def _first(names: list[str], n: int = 8) -> str:

@@ -3,24 +3,31 @@
     h = embeddings[input_ids]
     for each layer: h = h + mixer(RMSNorm(h))        mixer by pattern character: M Mamba-2, * attention,
                                                      E MoE, - dense MLP
-    logits = lm_head(norm_f(h)).float()
+    hidden = norm_f(h)                               `hidden_states`
+    logits = lm_head(hidden).float()                 `logits`: the one place hidden states become logits
 
 Module names mirror the published tensor names (`backbone.layers.{i}.mixer...`, `lm_head`, `mtp.layers.{j}`),
-so loading is a direct mapping (reference: transformers `NemotronHForCausalLM`).
+so loading is a direct mapping (reference: transformers `NemotronHForCausalLM`). The model declares its
+quantization (`quantization`, `act_quant`) and knows its identity (`identity`, `hybrid.fingerprint`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from hybrid.cache import HybridCache, StepContext
+import hybrid.fingerprint as fingerprint
+from hybrid.cache import Cache, HybridCache, KVCache, MambaState, StepContext
 from hybrid.config import ATTENTION, MAMBA, MLP as MLP_CHAR, MOE, HybridConfig
 from hybrid.layers.attention import Attention
 from hybrid.layers.mamba2 import Mamba2Mixer
 from hybrid.layers.mlp import MLP
+from hybrid.layers.moe import MoE
 from hybrid.layers.norm import RMSNorm
-from moe.layer import MoE
+from moe.quant import PackedWeight, Prepacked
+from moe.quant.config import QuantConfig
 
 # Parameters held in fp32 whatever the model dtype: the router (transformers keeps `gate.weight` and the
 # correction bias in fp32) and the per-head SSM parameters (tiny; bf16 values upcast exactly).
@@ -51,7 +58,8 @@ class Block(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mixer = make_mixer(kind, config)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext | None, state=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: StepContext | None, state: KVCache | MambaState | None = None) -> torch.Tensor:
+        """`state`: this layer's handle from `Cache.layer` (attention and Mamba layers), or None."""
         x = self.norm(h)
         if self.kind in (MAMBA, ATTENTION):
             return h + self.mixer(x, ctx, state)
@@ -92,9 +100,9 @@ class MTP(nn.Module):
     """The MTP block (`mtp.layers.*`, pattern `mtp_pattern`), used only to draft tokens.
 
     `h = eh_proj(cat([enorm(embed(next_tokens)), hnorm(prev_hidden)], -1))`, then the pre-norm layers, then
-    `final_layernorm`; the caller applies the shared `lm_head`. `prev_hidden` is the
-    main model's output after `norm_f` (the hidden state its `lm_head` reads), as vLLM's NemotronH MTP
-    receives it; from hidden state t and token t+1 the block predicts token t+2.
+    `final_layernorm`; the model's `logits` applies the shared `lm_head`. `prev_hidden` is the main model's
+    output after `norm_f` (the hidden state its `lm_head` reads), as vLLM's NemotronH MTP receives it; from
+    hidden state t and token t+1 the block predicts token t+2.
     """
 
     def __init__(self, config: HybridConfig):
@@ -109,12 +117,13 @@ class MTP(nn.Module):
         )
 
     def forward(self, prev_hidden: torch.Tensor, next_embeds: torch.Tensor, ctx: StepContext | None = None,
-                states: list | None = None) -> torch.Tensor:
-        """prev_hidden, next_embeds: [B, T, H] -> [B, T, H] after `final_layernorm` (apply `lm_head` next)."""
+                cache: Cache | None = None) -> torch.Tensor:
+        """prev_hidden, next_embeds: [B, T, H] -> [B, T, H] after `final_layernorm` (the model's `logits` next).
+        `cache`: the block's own (`HybridForCausalLM.new_mtp_cache`), or None."""
         first = self.layers[0]
         h = first.eh_proj(torch.cat([first.enorm(next_embeds), first.hnorm(prev_hidden)], dim=-1))
         for j, layer in enumerate(self.layers):
-            h = layer(h, ctx, states[j] if states is not None else None)
+            h = layer(h, ctx, cache.layer(j) if cache is not None else None)
         return self.layers[-1].final_layernorm(h)
 
 
@@ -125,6 +134,10 @@ class HybridForCausalLM(nn.Module):
     logits [B, T, vocab_size] float32 (only the last `logits_to_keep` positions when it is > 0).
     `attention_mask` marks real tokens (1) and padding (0): [B, T] for the new tokens, or [B, past + T]
     as transformers passes it. A cache from `new_cache` is updated in place.
+
+    Attributes:
+        quantization: the `moe.quant.config.QuantConfig` the packed modules follow, or None (float weights).
+        act_quant: packed matmuls quantize-dequantize their inputs (W8A8 / W4A4 emulation).
     """
 
     def __init__(self, config: HybridConfig):
@@ -135,6 +148,9 @@ class HybridForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
         self.mtp = MTP(config) if config.num_nextn_predict_layers else None
+        self.quantization: QuantConfig | None = None
+        self.act_quant = False
+        self._weights_digest: str | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,24 +160,59 @@ class HybridForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.backbone.embeddings.weight.device
 
+    # ------------------------------------------------------------------------------------------ identity
+    @property
+    def identity(self) -> str:
+        """A hex digest naming this model's numbers (`hybrid.fingerprint`): config, dtype, quantization,
+        act_quant and the weights. The weights' part is taken by `load_state_dict` (so at load, from the
+        tensors as read), or on first use from the current tensors for a model built in memory; in-place edits
+        of the weights after that are not seen (call `reset_identity`)."""
+        if self._weights_digest is None:
+            self._weights_digest = fingerprint.weights_digest(self._named_dense_tensors())
+        config = dataclasses.replace(self.config, quantization_config=None).to_dict()  # the quantization: below
+        quant = None if self.quantization is None else self.quantization.files
+        return fingerprint.identity(config, self.dtype, quant, self.act_quant, self._weights_digest)
+
+    def reset_identity(self) -> None:
+        """Forget the weights' digest (after the weights changed in place); the next `identity` retakes it."""
+        self._weights_digest = None
+
+    def _named_dense_tensors(self):
+        """The state dict's (name, tensor) pairs one module at a time (a prepacked module's dense copies one
+        tensor at a time, never all at once)."""
+        for mname, module in self.named_modules():
+            prefix = f"{mname}." if mname else ""
+            if isinstance(module, Prepacked):
+                yield from ((prefix + n, t) for n, t in module.dense_tensors())
+            yield from ((prefix + n, t) for n, t in module.named_parameters(recurse=False))
+            yield from ((prefix + n, t) for n, t in module.named_buffers(recurse=False))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """`nn.Module.load_state_dict`; a strict load also takes the weights' digest of `identity` from the
+        tensors given, any other load forgets it."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._weights_digest = fingerprint.weights_digest(state_dict.items()) if strict else None
+        return result
+
     def cast(self, dtype: torch.dtype) -> "HybridForCausalLM":
         """Convert floating-point weights to `dtype`, keeping the `FP32_SUFFIXES` tensors in fp32.
 
-        Packed quantized tensors (buffers of modules marked `keeps_dtypes`, `moe.quant`) keep their
-        stored dtypes (E4M3 weights, packed bytes, fp32 scales); the model dtype is their compute dtype.
+        The buffers of packed modules (`moe.quant.PackedWeight`: E4M3 weights, packed bytes, fp32 scales)
+        keep their stored dtypes; the model dtype is their compute dtype.
         """
         for mname, module in self.named_modules():
-            keep = getattr(module, "keeps_dtypes", False)
-            tensors = list(module._parameters.items()) + ([] if keep else list(module._buffers.items()))
+            tensors = list(module.named_parameters(recurse=False))
+            if not isinstance(module, PackedWeight):
+                tensors += list(module.named_buffers(recurse=False))
             for tname, t in tensors:
                 name = f"{mname}.{tname}" if mname else tname
                 want = torch.float32 if name.endswith(FP32_SUFFIXES) else dtype
-                if t is not None and t.is_floating_point() and t.dtype != want:
+                if t.is_floating_point() and t.dtype != want:
                     t.data = t.data.to(want)
-            if keep and hasattr(module, "compute_dtype"):
-                module.compute_dtype = dtype
+        self.reset_identity()
         return self
 
+    # ------------------------------------------------------------------------------------------ caches
     def new_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
         """An empty inference state for `batch_size` sequences (KV preallocated for `capacity` positions)."""
         return HybridCache(self.config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity)
@@ -173,21 +224,11 @@ class HybridForCausalLM(nn.Module):
         return HybridCache(self.config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity,
                            pattern=self.config.mtp_pattern)
 
-    def mtp_step(self, hidden: torch.Tensor, next_ids: torch.Tensor, mtp_cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the MTP block over new positions on its own cache.
-
-        hidden: [B, T, H] normalised hidden states (the main model's, from `forward(..., return_hidden=True)`,
-        or the block's own output when drafting recursively); next_ids: [B, T] the token after each position.
-        Returns (logits [B, T, V] float32 for the token after `next_ids`, the block's output [B, T, H]).
-        """
-        ctx = mtp_cache.begin(next_ids.shape[0], next_ids.shape[1], None)
-        out = self.mtp(hidden, self.backbone.embeddings(next_ids), ctx, mtp_cache.layers)
-        return self.lm_head(out).float(), out
-
+    # ------------------------------------------------------------------------------------------ forward
     def forward(
         self,
         input_ids: torch.Tensor,
-        cache: HybridCache | None = None,
+        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         record: bool = False,
@@ -202,26 +243,20 @@ class HybridForCausalLM(nn.Module):
         h = self.hidden_states(input_ids, cache, attention_mask, record)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        h = self.backbone.norm_f(h)
-        logits = self.lm_head(h).float()
+        logits = self.logits(h)
         return (logits, h) if return_hidden else logits
 
-    def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of the token after `next_ids` from the MTP block, without a cache (training, tests).
-
-        hidden: [B, T, H] the main model's normalised output (`norm_f(hidden_states(...))`);
-        next_ids: [B, T] the token that follows each position. Returns [B, T, V] float32.
-        """
-        if self.mtp is None:
-            raise ValueError("this model has no MTP block (num_nextn_predict_layers is 0)")
-        out = self.mtp(hidden, self.backbone.embeddings(next_ids), StepContext(past=0, mask=None, key_mask=None))
-        return self.lm_head(out).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [..., V] float32 from normalised hidden states [..., H]: the main stack's (`hidden_states`)
+        or the MTP block's output."""
+        return self.lm_head(hidden).float()
 
     def hidden_states(
-        self, input_ids: torch.Tensor, cache: HybridCache | None = None, attention_mask: torch.Tensor | None = None,
+        self, input_ids: torch.Tensor, cache: Cache | None = None, attention_mask: torch.Tensor | None = None,
         record: bool = False,
     ) -> torch.Tensor:
-        """The last layer's output before `norm_f`: [B, T, hidden_size] in the model dtype."""
+        """The normalised output of the stack, `norm_f(h)`: [B, T, hidden_size] in the model dtype (what
+        `logits` and the MTP block read)."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
@@ -229,11 +264,32 @@ class HybridForCausalLM(nn.Module):
         ctx = cache.begin(B, T, mask, record) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
         h = self.backbone.embeddings(input_ids)
         for i, block in enumerate(self.backbone.layers):
-            h = block(h, ctx, cache.layers[i] if cache is not None else None)
-        return h
+            h = block(h, ctx, cache.layer(i) if cache is not None else None)
+        return self.backbone.norm_f(h)
+
+    def mtp_step(self, hidden: torch.Tensor, next_ids: torch.Tensor, mtp_cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the MTP block over new positions on its own cache.
+
+        hidden: [B, T, H] normalised hidden states (the main model's, from `forward(..., return_hidden=True)`,
+        or the block's own output when drafting recursively); next_ids: [B, T] the token after each position.
+        Returns (logits [B, T, V] float32 for the token after `next_ids`, the block's output [B, T, H]).
+        """
+        ctx = mtp_cache.begin(next_ids.shape[0], next_ids.shape[1], None)
+        out = self.mtp(hidden, self.backbone.embeddings(next_ids), ctx, mtp_cache)
+        return self.logits(out), out
+
+    def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of the token after `next_ids` from the MTP block, without a cache (training, tests).
+
+        hidden: [B, T, H] the main model's normalised output (`hidden_states(...)`);
+        next_ids: [B, T] the token that follows each position. Returns [B, T, V] float32.
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP block (num_nextn_predict_layers is 0)")
+        return self.logits(self.mtp(hidden, self.backbone.embeddings(next_ids), StepContext(past=0, mask=None, key_mask=None)))
 
     @staticmethod
-    def _token_mask(attention_mask, B: int, T: int, cache: HybridCache | None) -> torch.Tensor | None:
+    def _token_mask(attention_mask, B: int, T: int, cache: Cache | None) -> torch.Tensor | None:
         """The [B, T] bool mask of real new tokens, or None when all are real."""
         if attention_mask is None:
             return None

@@ -7,7 +7,8 @@ and SSM state; the Mamba part cannot be rebuilt from a KV cache, so it is snapsh
 
 Layout (as vLLM's automatic prefix caching, with Mamba states as in its hybrid-model prefix caching):
 - Prompts are cut into blocks of `block_size` tokens. Block i is named by a hash chain,
-  `digest_i = sha256(digest_{i-1} || tokens of block i)`, with `digest_{-1}` the model's identity, so one
+  `digest_i = sha256(digest_{i-1} || tokens of block i)`, with `digest_{-1}` the model's identity
+  (`HybridForCausalLM.identity`: its config, dtype, quantization and weights), so one
   digest names the entire prefix up to the end of its block, and the longest cached prefix of a prompt is
   found by walking the chain.
 - Each block is a node of a tree. A node holds the keys and values of its own block's tokens (every
@@ -32,25 +33,9 @@ from pathlib import Path
 
 import torch
 
-from hybrid.cache import HybridCache, KVCache, MambaState
+from hybrid.cache import Cache
 from hybrid.config import ATTENTION, MAMBA
 from hybrid.model import HybridForCausalLM
-
-
-def model_identity(model: HybridForCausalLM) -> str:
-    """A hex digest naming a model's weights and layout: its config, dtype, and every tensor's name, shape,
-    dtype and first and last elements (a fingerprint, not a full hash: views only for plain weights; the
-    oneDNN-prepacked weights of a bf16 CPU model are read back densely one module at a time, ~1 s per GB)."""
-    h = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True, default=str).encode())
-    h.update(str(model.dtype).encode())
-    for module_name, module in model.named_modules():  # the state_dict's entries, one module at a time, so
-        tensors = {}                                    # a prepacked model's dense copies never all coexist
-        module._save_to_state_dict(tensors, f"{module_name}." if module_name else "", keep_vars=False)
-        for name, t in tensors.items():
-            flat = t.detach().reshape(-1)
-            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-            h.update(torch.cat([flat[:64], flat[-64:]]).float().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 @dataclass
@@ -88,7 +73,7 @@ class PrefixCache:
         self.model = model
         self.block_size = block_size
         self.max_bytes = max_bytes
-        self.identity = model_identity(model)
+        self.identity = model.identity
         self._nodes: OrderedDict[str, _Node] = OrderedDict()  # least recently used first
         self.hits = self.misses = 0
         self.reused_tokens = 0
@@ -107,7 +92,7 @@ class PrefixCache:
         return len(self._path(prompt)) * self.block_size
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], capacity: int = 0) -> tuple[HybridCache, torch.Tensor]:
+    def prefill(self, prompt: list[int], capacity: int = 0) -> tuple[Cache, torch.Tensor]:
         """Run `prompt` into a fresh batch-1 cache, reusing the longest cached prefix and caching every
         full block it computes.
 
@@ -212,34 +197,22 @@ class PrefixCache:
             self._nodes.move_to_end(node.digest)
         return path
 
-    def _restore(self, path: list[_Node], capacity: int) -> HybridCache:
+    def _restore(self, path: list[_Node], capacity: int) -> Cache:
         """A batch-1 cache holding the snapshot at the end of `path` (copied, never aliased)."""
         cache = self.model.new_cache(1, capacity)
-        n = len(path) * self.block_size
-        if not path:
-            return cache
-        kv_layers = [layer for layer in cache.layers if isinstance(layer, KVCache)]
-        for j, layer in enumerate(kv_layers):
-            k = torch.cat([node.kv[j][0] for node in path], dim=1)[None]
-            v = torch.cat([node.kv[j][1] for node in path], dim=1)[None]
-            layer.write(k, v, 0)
-        mamba_layers = [layer for layer in cache.layers if isinstance(layer, MambaState)]
-        for j, layer in enumerate(mamba_layers):
-            layer.conv[0].copy_(path[-1].mamba[j][0])
-            layer.ssm[0].copy_(path[-1].mamba[j][1])
-        cache.seq_len = n
+        if path:
+            kv = [(torch.cat([node.kv[j][0] for node in path], dim=1), torch.cat([node.kv[j][1] for node in path], dim=1))
+                  for j in range(len(path[0].kv))]
+            cache.restore(0, len(path) * self.block_size, kv, path[-1].mamba)
         return cache
 
-    def _insert(self, parent: str, block: list[int], cache: HybridCache, end: int, keep: set[str]) -> str:
+    def _insert(self, parent: str, block: list[int], cache: Cache, end: int, keep: set[str]) -> str:
         """Snapshot `cache` (batch 1, `end` positions, ending with `block`) as the child of `parent`."""
         digest = self._digest(parent, block)
         if digest in self._nodes:
             self._nodes.move_to_end(digest)
             return digest
-        start = end - self.block_size
-        kv = [(layer.k[0, :, start:end].clone(), layer.v[0, :, start:end].clone())
-              for layer in cache.layers if isinstance(layer, KVCache)]
-        mamba = [(layer.conv[0].clone(), layer.ssm[0].clone()) for layer in cache.layers if isinstance(layer, MambaState)]
+        kv, mamba = cache.snapshot_kv(0, end - self.block_size, end), cache.snapshot_mamba(0)
         self._add(_Node(digest, None if parent == self.identity else parent, kv, mamba))
         self._evict(keep | {digest})
         return digest

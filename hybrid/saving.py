@@ -18,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from hybrid.checkpoint_files import INDEX_NAME, SINGLE_NAME
-from hybrid.loading import _STACKED_EXPERTS
+from hybrid.dtypes import dtype_name
+from hybrid.loading import STACKED_EXPERTS
 from hybrid.model import HybridForCausalLM
 from moe.quant.config import HF_QUANT_CONFIG
 
@@ -30,7 +31,7 @@ def published_state_dict(model: HybridForCausalLM) -> dict[str, torch.Tensor]:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         t = t.detach().cpu()
-        m = _STACKED_EXPERTS.match(name)
+        m = STACKED_EXPERTS.match(name)
         if m:
             for j in range(t.shape[0]):
                 out[f"{m['prefix']}.{j}.{m['proj']}{m['tensor'] or '.weight'}"] = t[j].contiguous()
@@ -43,9 +44,8 @@ def save_checkpoint(model: HybridForCausalLM, directory: str | Path, max_shard_b
     """Write config.json, generation_config.json and the weights of `model` into `directory`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[model.dtype]
-    config = dataclasses.replace(model.config, torch_dtype=dtype_name)
-    quant = getattr(model, "quantization", None)
+    config = dataclasses.replace(model.config, torch_dtype=dtype_name(model.dtype))
+    quant = model.quantization
     if quant is not None:
         config = dataclasses.replace(config, quantization_config=quant.files.get("config.json"))
         if HF_QUANT_CONFIG in quant.files:

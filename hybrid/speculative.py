@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from hybrid.config import MAMBA
-from hybrid.generate import Completion, SamplingParams, filtered_probs, sample
 from hybrid.model import HybridForCausalLM
+from hybrid.sampling import Completion, SamplingParams, filtered_probs, sample
 
 
 @dataclass
@@ -87,7 +87,7 @@ def speculative_generate_ids(
 
     on_tokens: called with `[token]` for each token as it is produced (as in `generate_ids`).
     drafter: replaces the MTP block, for tests: `drafter(position, tokens_so_far) -> (token, probs [V])`.
-    Returns the `Completion` (as `hybrid.generate.generate_ids` would give) and the draft statistics.
+    Returns the `Completion` (as `hybrid.generate.generate_ids` gives it) and the draft statistics.
     Raises:
         ValueError: a tensor or empty prompt (a list of ids is expected), num_draft < 1, a model without an MTP block and no drafter, or an MTP
             block with Mamba layers (published ones are `*E`; their draft positions could not be dropped).

@@ -1,5 +1,5 @@
 """What training a hybrid model from scratch needs beyond PyTorch: initialisation, the language-model loss
-(with the optional MTP term), and auxiliary-loss-free expert balancing.
+(with the optional MTP term), auxiliary-loss-free expert balancing, and the learning-rate schedule.
 
 - Initialisation follows transformers' NemotronH / mamba-ssm: normal(0, initializer_range) weights, residual
   output projections scaled by 1/sqrt(2 * num_layers) (GPT-2), A = uniform(1, 16) (A_log = log A),
@@ -55,6 +55,15 @@ def init_weights(model: HybridForCausalLM, seed: int) -> None:
             b.zero_()
 
 
+def learning_rate(progress: float, peak: float, warmup: float, final: float = 0.0) -> float:
+    """Linear warm-up over the first `warmup` fraction of the run, then cosine decay from `peak` to
+    `final * peak` at the end (`progress` in [0, 1])."""
+    if progress < warmup:
+        return peak * progress / warmup
+    t = min(1.0, (progress - warmup) / (1 - warmup))
+    return peak * (final + (1 - final) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
 def _weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
     if weights is None:
@@ -72,8 +81,8 @@ def lm_loss(model: HybridForCausalLM, tokens: torch.Tensor, mtp_weight: float = 
     Returns (loss, {"lm": float, "mtp": float or None}).
     """
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    hidden = model.backbone.norm_f(model.hidden_states(inputs))
-    lm = _weighted_ce(model.lm_head(hidden).float(), targets, weights)
+    hidden = model.hidden_states(inputs)
+    lm = _weighted_ce(model.logits(hidden), targets, weights)
     parts = {"lm": lm.item(), "mtp": None}
     if model.mtp is None or mtp_weight == 0:
         return lm, parts

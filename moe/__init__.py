@@ -1,14 +1,24 @@
-"""Mixture-of-Experts building blocks: the router, the resident expert bank, the MoE layer, packed weights.
+"""Model-agnostic Mixture-of-Experts: router maths, every expert-bank implementation, token dispatch.
 
-The names below are imported on first use, so that `moe.quant` (which knows no model) can be imported on
-its own without pulling in `hybrid` (whose model imports `moe.layer`).
+    router.py       route, TopkRouter (sigmoid scores, bias-corrected grouped top-k)
+    experts.py      relu2, dispatch, ExpertBank (float), QuantExpertBank (packed), PrepackedExpertBank (oneDNN)
+    prepack.py      prepack / unpack a model's bf16 weights for oneDNN
+    calibration.py  InputAmax: input statistics for static activation scales, by forward hooks
+    quant/          weight formats and packed Linear modules (imports nothing else of `moe`)
+
+Nothing here imports `hybrid`. The names below are imported on first use (PEP 562), so that importing
+`moe.quant` alone loads nothing of `moe` outside it.
 """
 
 from importlib import import_module
 
-_EXPORTS = {"ExpertBank": "moe.experts", "MoE": "moe.layer", "TopkRouter": "moe.router", "route": "moe.router"}
+_EXPORTS = {
+    "ExpertBank": "moe.experts", "InputAmax": "moe.calibration", "PrepackedExpertBank": "moe.experts",
+    "QuantExpertBank": "moe.experts", "TopkRouter": "moe.router", "dispatch": "moe.experts",
+    "prepack": "moe.prepack", "relu2": "moe.experts", "route": "moe.router", "unpack": "moe.prepack",
+}
 
-__all__ = list(_EXPORTS)
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -1,8 +1,17 @@
-"""The routed expert bank: every expert resident as stacked tensors, only the selected ones computed.
+"""The routed expert banks: every expert resident, only the selected ones computed, in three storages.
 
 Experts are non-gated squared-ReLU MLPs (`y = down(relu(up(x)) ** 2)`, no gate_proj). Checkpoints store one
 tensor per expert (`experts.{j}.up_proj.weight`); the loader stacks them into `up_proj [E, I, L]` and
 `down_proj [E, L, I]` (L = hidden_size, or moe_latent_size with latent projections).
+
+    ExpertBank           float stacks (the reference)
+    QuantExpertBank      packed stacks (`moe.quant.PackedWeight`: FP8, NVFP4, MXFP4, ...); an expert's float
+                         weights exist only while its matmul runs (none at all in the fused Triton path)
+    PrepackedExpertBank  bf16 experts prepacked for oneDNN (`moe.quant.prepacked`), CPU inference
+
+All three share `dispatch`: the (token, expert) pairs are sorted by expert and gathered once, each chosen
+expert runs over its contiguous slice of tokens, experts nobody chose are never touched, and the weighted
+outputs are summed per token in fp32.
 """
 
 from __future__ import annotations
@@ -12,30 +21,31 @@ from typing import Callable
 import torch
 from torch import nn
 
+from moe.quant.codec import QuantFormat
+from moe.quant.kernels import onednn, triton_for
+from moe.quant.packed import PackedWeight
+from moe.quant.prepacked import Prepacked
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
-    """Squared ReLU, `relu(x) ** 2` (So et al. 2021, Primer); the same as `hybrid.layers.mlp.relu2`, defined
-    here so that `moe` imports without `hybrid`."""
+    """Squared ReLU, `relu(x) ** 2` (So et al. 2021, Primer): the activation of every Nemotron-H MLP."""
     return torch.relu(x).square()
 
 
-class ExpertBank(nn.Module):
-    """Shapes: x [T, L], weights [T, k] fp32, ids [T, k] -> [T, L] in x's dtype (summed in fp32).
+# ------------------------------------------------------------------------------------------ dispatch
+def _sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] -> (order of the flattened pairs sorted by expert (stable), the token of each sorted pair,
+    tokens per expert [E])."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, order // ids.shape[1], torch.bincount(flat, minlength=n_experts)
 
-    The (token, expert) pairs are sorted by expert (a stable sort of the flattened ids) and gathered once;
-    each expert that received tokens runs one matmul pair over its contiguous slice; experts nobody chose
-    are never touched. Weighted outputs are summed per token in fp32.
-    """
 
-    def __init__(self, n_experts: int, in_features: int, intermediate_size: int):
-        super().__init__()
-        self.up_proj = nn.Parameter(torch.zeros(n_experts, intermediate_size, in_features))
-        self.down_proj = nn.Parameter(torch.zeros(n_experts, in_features, intermediate_size))
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return dispatch(x, weights, ids, self.up_proj.shape[0],
-                        lambda e, part: relu2(part @ self.up_proj[e].T) @ self.down_proj[e].T)
+def _combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, T: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """Expert outputs of the sorted pairs [T*k, L] -> their weighted sum per token [T, L], summed in fp32."""
+    y = y.float() * weights.reshape(-1)[order, None]
+    return torch.zeros(T, y.shape[-1], dtype=torch.float32, device=y.device).index_add_(0, token_of, y).to(dtype)
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int,
@@ -43,22 +53,159 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
     """Run `expert(e, x_e)` for every expert e that some token chose, and combine: x [T, L], weights [T, k]
     fp32, ids [T, k] -> [T, L] in x's dtype.
 
-    The (token, expert) pairs are sorted by expert (a stable sort of the flattened ids) and gathered once;
-    each chosen expert gets its contiguous slice `x_e` [n_e, L]; the weighted outputs are summed per token
-    in fp32. A single token skips the sort: its k experts run in turn. Shared by the float bank, the
-    quantized one (`moe.quant.QuantExpertBank`) and the oneDNN-prepacked one (`hybrid.ops.onednn`).
+    Each chosen expert gets its contiguous slice `x_e` [n_e, L] of the tokens sorted by expert. A single
+    token (decode at batch 1) skips the sort: its k experts run in turn.
     """
-    T, k = ids.shape
-    if T == 1:  # one token (decode at batch 1): its k experts in turn, nothing to sort or scatter
+    T = ids.shape[0]
+    if T == 1:  # nothing to sort or scatter
         y = torch.zeros(1, x.shape[-1], dtype=torch.float32, device=x.device)
         for e, w in zip(ids[0].tolist(), weights[0].tolist()):
             y.add_(expert(e, x).float(), alpha=w)
         return y.to(x.dtype)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts).tolist()
-    token_of = order // k
+    order, token_of, counts = _sort_by_expert(ids, n_experts)
+    counts = counts.tolist()
     parts = torch.split(x[token_of], counts)
     ys = [expert(e, part) for e, part in enumerate(parts) if counts[e]]
-    y = torch.cat(ys).float() * weights.reshape(-1)[order, None]
-    return torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device).index_add_(0, token_of, y).to(x.dtype)
+    return _combine(torch.cat(ys), weights, order, token_of, T, x.dtype)
+
+
+# ------------------------------------------------------------------------------------------ float
+class ExpertBank(nn.Module):
+    """Shapes: x [T, L], weights [T, k] fp32, ids [T, k] -> [T, L] in x's dtype (summed in fp32)."""
+
+    def __init__(self, n_experts: int, in_features: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = nn.Parameter(torch.zeros(n_experts, intermediate_size, in_features))
+        self.down_proj = nn.Parameter(torch.zeros(n_experts, in_features, intermediate_size))
+
+    @property
+    def n_experts(self) -> int:
+        return self.up_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return dispatch(x, weights, ids, self.n_experts,
+                        lambda e, part: relu2(part @ self.up_proj[e].T) @ self.down_proj[e].T)
+
+
+# ------------------------------------------------------------------------------------------ packed
+class DenseStack(nn.Module):
+    """An unquantized `[E, out, in]` stack under the name `weight` (for a packed bank with one projection
+    left in the model dtype, so checkpoint names stay `experts.{j}.down_proj.weight`)."""
+
+    def __init__(self, n_experts: int, out_features: int, in_features: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n_experts, out_features, in_features, dtype=dtype, device=device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, expert: int | None = None) -> torch.Tensor:
+        return (self.weight if expert is None else self.weight[expert]).to(dtype)
+
+
+class QuantExpertBank(nn.Module):
+    """The routed experts with packed weights. Shapes: x [T, L], weights [T, k] fp32, ids [T, k] -> [T, L].
+
+    `up_proj` / `down_proj` are `PackedWeight` stacks (`[E, I, L]`, `[E, L, I]` in their formats) or, where
+    a format is None, `DenseStack`s in `dtype`. `act_quant`: emulate activation quantization before each
+    packed matmul. Memory during a forward: at most one expert's dequantized `up` and `down` at a time on the
+    PyTorch path, none on the fused path (`fused`, CUDA with triton).
+    """
+
+    def __init__(self, n_experts: int, in_features: int, intermediate_size: int, up_fmt: QuantFormat | None,
+                 down_fmt: QuantFormat | None, dtype: torch.dtype = torch.bfloat16, act_quant: bool = False,
+                 device=None):
+        super().__init__()
+        self.n_experts, self.act_quant = n_experts, act_quant
+        self.up_proj = self._projection(up_fmt, n_experts, intermediate_size, in_features, dtype, device)
+        self.down_proj = self._projection(down_fmt, n_experts, in_features, intermediate_size, dtype, device)
+
+    @staticmethod
+    def _projection(fmt, n, out_f, in_f, dtype, device) -> nn.Module:
+        if fmt is None:
+            return DenseStack(n, out_f, in_f, dtype, device)
+        fmt.check_shape(out_f, in_f, "QuantExpertBank")
+        return PackedWeight(fmt, out_f, in_f, n_experts=n, device=device)
+
+    def _matmul(self, proj: nn.Module, x: torch.Tensor, e: int) -> torch.Tensor:
+        if self.act_quant and isinstance(proj, PackedWeight):
+            x = proj.fmt.fake_quantize(x, proj.activation_scale(e))
+        return x @ proj.dequantize(x.dtype, expert=e).T
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if not self.act_quant and all(isinstance(p, PackedWeight) for p in (self.up_proj, self.down_proj)) \
+                and triton_for(x, self.up_proj.fmt, self.down_proj.fmt) is not None:
+            return self.fused(x, weights, ids)
+        return dispatch(x, weights, ids, self.n_experts,
+                        lambda e, part: self._matmul(self.down_proj, relu2(self._matmul(self.up_proj, part, e)), e))
+
+    def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The forward with both projections of all chosen experts in two grouped Triton launches (weights
+        decoded in registers; `moe.quant.kernels.triton`). Needs triton and two supported packed formats."""
+        from moe.quant.kernels import triton
+
+        order, token_of, counts = _sort_by_expert(ids, self.n_experts)
+        tiles = triton.row_tiles(counts)
+        h = triton.grouped_matmul(x[token_of], self.up_proj, tiles)
+        y = triton.grouped_matmul(relu2(h), self.down_proj, tiles)
+        return _combine(y, weights, order, token_of, ids.shape[0], x.dtype)
+
+    @classmethod
+    def from_bank(cls, bank: ExpertBank, up_fmt: QuantFormat | None, down_fmt: QuantFormat | None,
+                  up_amax: torch.Tensor | None = None, down_amax: torch.Tensor | None = None,
+                  act_quant: bool = False) -> "QuantExpertBank":
+        """Quantize a float `ExpertBank` (`up_proj [E, I, L]`, `down_proj [E, L, I]`); `*_amax` [E]: the
+        calibrated input amax per expert, for formats with a static input scale."""
+        up, down = bank.up_proj.detach(), bank.down_proj.detach()
+        E, I, L = up.shape
+        q = cls(E, L, I, up_fmt, down_fmt, up.dtype, act_quant, up.device)
+        for proj, w, fmt, amax in ((q.up_proj, up, up_fmt, up_amax), (q.down_proj, down, down_fmt, down_amax)):
+            if fmt is None:
+                proj.weight.data.copy_(w)
+                continue
+            for name, t in fmt.quantize(w, amax).items():
+                getattr(proj, name).copy_(t)
+        return q
+
+
+# ------------------------------------------------------------------------------------------ prepacked
+class PrepackedExpertBank(Prepacked):
+    """An inference-only `ExpertBank` (bf16, CPU) holding each expert's two matrices prepacked for oneDNN.
+
+    Shapes as `ExpertBank`. The ReLU of squared ReLU is fused into the up projection.
+    """
+
+    def __init__(self, source: ExpertBank):
+        super().__init__()
+        self.n_experts = source.n_experts
+        self.shapes = {"up_proj": tuple(source.up_proj.shape), "down_proj": tuple(source.down_proj.shape)}
+        self.up = [onednn.pack(w) for w in source.up_proj]
+        self.down = [onednn.pack(w) for w in source.down_proj]
+
+    @property
+    def up_proj(self) -> torch.Tensor:
+        """[E, I, L] dense (a copy)."""
+        return torch.stack([w.to_dense() for w in self.up])
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        """[E, L, I] dense (a copy)."""
+        return torch.stack([w.to_dense() for w in self.down])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return dispatch(x, weights, ids, self.n_experts, lambda e, part: onednn.linear(
+            onednn.linear(part, self.up[e], relu=True).square(), self.down[e]))
+
+    def to_plain(self) -> ExpertBank:
+        """The `ExpertBank` with these weights (dense copies)."""
+        up = self.up_proj
+        with torch.device("meta"):  # built empty, then given the dense weights
+            plain = ExpertBank(self.n_experts, up.shape[2], up.shape[1])
+        plain.up_proj, plain.down_proj = nn.Parameter(up), nn.Parameter(self.down_proj)
+        return plain
+
+    def dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.shapes
+
+    def dense_tensor(self, name: str) -> torch.Tensor:
+        return self.up_proj if name == "up_proj" else self.down_proj
+
+    def repack(self, name: str, dense: torch.Tensor) -> None:
+        setattr(self, "up" if name == "up_proj" else "down", [onednn.pack(w) for w in dense])

@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -59,7 +58,7 @@ import torch.nn.functional as F
 from hybrid.config import MAMBA, HybridConfig
 from hybrid.loading import build_model
 from hybrid.model import HybridForCausalLM
-from hybrid.training import init_weights
+from hybrid.training import init_weights, learning_rate
 
 ARCHS = {"hybrid": "M*", "mamba2": "MM", "attention": "**"}
 IGNORE = -100  # target of the positions that are not scored (F.cross_entropy's ignore_index)
@@ -169,14 +168,6 @@ class RunSpec:
     log_every: int = 0
 
 
-def lr_at(progress: float, peak: float, warmup: float) -> float:
-    """Linear warm-up over the first `warmup` fraction of the run, then cosine decay to 0."""
-    if progress < warmup:
-        return peak * progress / warmup
-    t = min(1.0, (progress - warmup) / (1 - warmup))
-    return peak * 0.5 * (1 + math.cos(math.pi * t))
-
-
 def answer_loss(model: HybridForCausalLM, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy at the answer positions only. inputs, targets: [B, T] -> scalar."""
     logits = model(inputs)  # [B, T, V]
@@ -231,7 +222,7 @@ def train_run(spec: RunSpec) -> list[dict]:
         if progress >= 1.0:
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(progress, spec.lr, spec.warmup)
+            group["lr"] = learning_rate(progress, spec.lr, spec.warmup)
         model.train()
         pairs = spec.train_pairs[torch.randint(len(spec.train_pairs), (), generator=train_gen).item()]
         inputs, targets = mqar_batch(spec.batch_size, pairs, spec.seq_len, spec.vocab_size, train_gen)

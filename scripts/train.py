@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import importlib
 import json
-import math
 import random
 import sys
 import time
@@ -34,7 +33,7 @@ from hybrid.config import HybridConfig
 from hybrid.eval.tasks import fit_to_length
 from hybrid.loading import build_model
 from hybrid.saving import save_checkpoint
-from hybrid.training import ExpertBalancer, init_weights, lm_loss
+from hybrid.training import ExpertBalancer, init_weights, learning_rate, lm_loss
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 = pad, bos, eos (the config's ids)
 
@@ -195,14 +194,6 @@ def validation_loss(model, val: TrainingData, batches: list[torch.Tensor]) -> fl
 
 
 # ---------------------------------------------------------------------------------------------- main
-def lr_at(progress: float, peak: float, warmup: float) -> float:
-    """Linear warm-up over the first `warmup` fraction, then cosine decay to 10% of `peak`."""
-    if progress < warmup:
-        return peak * progress / warmup
-    t = min(1.0, (progress - warmup) / (1 - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint directory to write")
@@ -262,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         progress = step / args.steps if args.steps else (time.time() - start) / total
         if progress >= 1.0:
             break
-        lr = lr_at(progress, args.lr, args.warmup)
+        lr = learning_rate(progress, args.lr, args.warmup, final=0.1)
         for group in opt.param_groups:
             group["lr"] = lr
         model.train()

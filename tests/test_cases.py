@@ -23,7 +23,7 @@ from hybrid import CheckpointError
 from hybrid.config import HybridConfig
 from hybrid.layers.norm import GatedRMSNorm
 from hybrid.ops import ssd as ssd_ops
-from moe.layer import MoE
+from hybrid.layers.moe import MoE
 from moe.router import route
 from helpers import (
     REPORT,

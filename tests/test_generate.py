@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import hybrid
-from hybrid.generate import SamplingParams, generate_ids, sample
+from hybrid.generate import generate_ids
+from hybrid.sampling import SamplingParams, sample
 from tiny_checkpoint import write_checkpoint
 
 

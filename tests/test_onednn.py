@@ -1,4 +1,4 @@
-"""Prepacked oneDNN bf16 linears (`hybrid.ops.onednn`) against the plain modules they replace.
+"""Prepacked oneDNN bf16 linears (`moe.prepack`, `moe.quant.prepacked`) against the plain modules they replace.
 
 Oracles: the fp32 product of the same bf16 operands (a packed product may differ from it only by the bf16
 rounding of its output and the summation order), the unpacked `ExpertBank`, and the same checkpoint loaded
@@ -17,9 +17,10 @@ from hybrid.accounting import resident_bytes
 from hybrid.checkpoint_files import CheckpointFiles
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.generate import generate_ids
-from hybrid.ops import onednn
-from hybrid.prefix_cache import model_identity
-from moe.experts import ExpertBank
+from moe.experts import ExpertBank, PrepackedExpertBank
+from moe.prepack import prepack, unpack
+from moe.quant.kernels import onednn
+from moe.quant.prepacked import PrepackedLinear
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="no oneDNN bf16 on this CPU / PyTorch build")
 
@@ -37,7 +38,7 @@ def test_packed_linear_matches_fp32_product(shape, bias):
     torch.manual_seed(0)
     source = nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
     x = torch.randn(shape, dtype=torch.bfloat16)
-    packed = onednn.PackedLinear(source)
+    packed = PrepackedLinear(source)
     ref = x.float() @ source.weight.float().T + (source.bias.float() if bias else 0)
     with torch.inference_mode():
         _assert_bf16_close(packed(x), ref)
@@ -55,7 +56,7 @@ def test_packed_expert_bank_matches_bank():
     x = torch.randn(9, 32, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(6)[:2] for _ in range(9)])
     weights = torch.rand(9, 2)
-    packed = onednn.PackedExpertBank(bank)
+    packed = PrepackedExpertBank(bank)
     with torch.inference_mode():
         # fp32 reference of the same bf16 operands: y_t = sum_j w_tj * down_e(relu(up_e(x_t))^2)
         ref = torch.zeros(9, 32)
@@ -75,15 +76,15 @@ def test_prepacked_model_equals_plain(checkpoint, name):
     plain = hybrid.load_model(ck.directory, dtype="bf16", prepack=False)
     packed = hybrid.load_model(ck.directory, dtype="bf16")
     kinds = {type(m).__name__ for m in packed.modules()}
-    assert {"PackedLinear", "PackedExpertBank"} <= kinds and "ExpertBank" not in kinds
+    assert {"PrepackedLinear", "PrepackedExpertBank"} <= kinds and "ExpertBank" not in kinds
     if ck.tf.config.tie_word_embeddings:  # the tied head keeps sharing the embedding matrix: one copy
         assert type(packed.lm_head) is nn.Linear
         assert packed.lm_head.weight.data_ptr() == packed.backbone.embeddings.weight.data_ptr()
     else:
-        assert type(packed.lm_head) is onednn.PackedLinear
+        assert type(packed.lm_head) is PrepackedLinear
     a, b = plain.state_dict(), packed.state_dict()
     assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
-    assert model_identity(plain) == model_identity(packed)
+    assert plain.identity == packed.identity
     assert resident_bytes(plain) == resident_bytes(packed)
     ids = torch.randint(3, ck.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -105,13 +106,13 @@ def test_default_checkpoint_greedy_unchanged_by_prepacking():
 def test_unavailable_onednn_leaves_plain_modules(checkpoint, monkeypatch):
     monkeypatch.setattr(onednn, "available", lambda: False)
     model = hybrid.load_model(checkpoint("all4_ng2_gqa4_c8").directory, dtype="bf16")
-    assert not any(isinstance(m, (onednn.PackedLinear, onednn.PackedExpertBank)) for m in model.modules())
+    assert not any(isinstance(m, (PrepackedLinear, PrepackedExpertBank)) for m in model.modules())
     with pytest.raises(RuntimeError, match="oneDNN bf16 is not available"):
-        onednn.prepack(model)
+        prepack(model)
 
 
 def test_fp32_model_is_not_packed(checkpoint):
-    assert not any(isinstance(m, onednn.PackedLinear) for m in checkpoint("all4_ng2_gqa4_c8").ours.modules())
+    assert not any(isinstance(m, PrepackedLinear) for m in checkpoint("all4_ng2_gqa4_c8").ours.modules())
 
 
 def test_released_pages_read_back_from_the_file(checkpoint):
@@ -128,7 +129,7 @@ def test_unpack_restores_plain_modules(checkpoint):
     directory = checkpoint("all4_ng2_gqa4_c8").directory
     plain = hybrid.load_model(directory, dtype="bf16", prepack=False)
     model = hybrid.load_model(directory, dtype="bf16")
-    assert onednn.unpack(model) > 0
+    assert unpack(model) > 0
     assert {type(m) for m in model.modules()} == {type(m) for m in plain.modules()}
     assert [n for n, p in model.named_parameters() if p.requires_grad] == [n for n, _ in plain.named_parameters()]
     a, b = plain.state_dict(), model.state_dict()

@@ -33,7 +33,7 @@ def test_quantize_then_info_then_generate(src, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (dst / "hf_quant_config.json").exists() and (dst / "tokenizer.json").exists()
     model = hybrid.load_model(dst)
-    assert model.quantization.method == "modelopt" and model.quantization.kinds() == {"NVFP4"}
+    assert model.quantization.method == "modelopt" and model.quantization.labels() == {"NVFP4"}
     scale = model.backbone.layers[1].mixer.experts.up_proj.input_scale
     assert scale.shape == (4,) and bool((scale > 0).all()) and not bool((scale == 1).all())  # calibrated
     info = json.loads(run("info", str(dst), "--json").stdout)

@@ -49,9 +49,9 @@ def test_compressed_tensors_targets_ignore_and_priority():
                          "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
                          "input_activations": {"num_bits": 4, "type": "float", "dynamic": "local", "group_size": 16}}}}
     qc = QuantConfig.from_quantization_config(block, "config.json")
-    assert qc.format_for("m.experts.0.up_proj").label == "NVFP4" and qc.format_for("m.experts.0.up_proj").divisor
+    assert qc.format_for("m.experts.0.up_proj").label == "NVFP4" and qc.format_for("m.experts.0.up_proj").layout.divisor
     fp8 = qc.format_for("m.shared_experts.up_proj")
-    assert fp8.label == "FP8-channel" and not fp8.input_scale
+    assert fp8.label == "FP8-channel" and not fp8.layout.input_scale
     assert qc.format_for("m.gate") is None and qc.format_for("lm_head") is None
     assert set(qc.format_for("m.experts.0.up_proj").tensor_specs(8, 32)) == {
         "weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"}

@@ -9,8 +9,8 @@ import hybrid
 from hybrid.accounting import resident_bytes
 from hybrid.quantize import quantize_model
 from hybrid.saving import save_checkpoint
-from moe.experts import ExpertBank
-from moe.quant import PackedWeight, QuantExpertBank, QuantLinear
+from moe.experts import ExpertBank, QuantExpertBank
+from moe.quant import PackedWeight, QuantLinear
 from moe.quant.config import modelopt_format
 from tiny_checkpoint import write_checkpoint
 

@@ -25,14 +25,15 @@ def test_kernels_in_the_interpreter():
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "9 passed, 1 skipped" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
 
-from moe.quant import QuantExpertBank, QuantLinear  # noqa: E402
+from moe.experts import ExpertBank, QuantExpertBank  # noqa: E402
+from moe.quant import QuantLinear  # noqa: E402
 from moe.quant.config import modelopt_format  # noqa: E402
-from moe.quant.format import CT_FP4_NAMES, QuantFormat  # noqa: E402
+from moe.quant.formats import COMPRESSED_TENSORS  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    import moe.quant.triton_kernels as tk
+    import moe.quant.kernels.triton as tk
 
     return tk
 
@@ -42,7 +43,7 @@ FORMATS = {
     "fp8-channel": modelopt_format("FP8_PER_CHANNEL_PER_TOKEN"),
     "fp8-block": modelopt_format("FP8_PB_WO"),
     "nvfp4": modelopt_format("NVFP4"),
-    "nvfp4-ct": QuantFormat("nvfp4", divisor=True, names=dict(CT_FP4_NAMES), scalar_shape=(1,)),
+    "nvfp4-ct": COMPRESSED_TENSORS["nvfp4-pack-quantized"],
 }
 
 
@@ -69,8 +70,6 @@ def test_linear_kernel_equals_pytorch_path(kernels, name):
 @needs_interpreter
 @pytest.mark.parametrize("name", ["fp8-tensor", "fp8-block", "nvfp4"])
 def test_grouped_expert_kernel_equals_pytorch_path(kernels, name):
-    from moe.experts import ExpertBank
-
     g = torch.Generator().manual_seed(5)
     E, L, I, T, k = 6, 64, 48, 21, 2
     bank = ExpertBank(E, L, I)
@@ -82,12 +81,12 @@ def test_grouped_expert_kernel_equals_pytorch_path(kernels, name):
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     ids[:, 0] = ids[:, 0] % 3  # uneven loads; experts 3..5 get fewer tokens, some maybe none
     weights = torch.rand(T, k, generator=g)
-    got = kernels.expert_bank(x, weights, ids, q)
+    got = q.fused(x, weights, ids)  # the grouped kernel path
     want = q(x, weights, ids)  # the PyTorch path (CPU)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_interpreter
 def test_row_tiles_cover_each_expert_segment(kernels):
-    expert, start, end = kernels._row_tiles(torch.tensor([0, 20, 3, 0, 16]), block_m=16)
+    expert, start, end = kernels.row_tiles(torch.tensor([0, 20, 3, 0, 16]), block_m=16)
     assert expert.tolist() == [1, 1, 2, 4] and start.tolist() == [0, 16, 20, 23] and end.tolist() == [20, 20, 23, 39]

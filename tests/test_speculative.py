@@ -4,7 +4,8 @@ the target distribution under sampling."""
 import pytest
 import torch
 
-from hybrid.generate import SamplingParams, generate_ids
+from hybrid.generate import generate_ids
+from hybrid.sampling import SamplingParams
 from hybrid.speculative import speculative_generate_ids
 from tiny_checkpoint import random_model
 

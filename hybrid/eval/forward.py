@@ -1,7 +1,7 @@
 """Logits at chosen positions of long sequences, in bounded memory.
 
 The batch is left-padded and run through one `HybridCache` in chunks of `chunk_size` tokens (the same
-path as a chunked prefill), and only the chosen positions go through the final norm and the LM head, so
+path as a chunked prefill), and only the chosen positions go through the LM head (`model.logits`), so
 memory is bounded by the chunk, the constant Mamba state and the attention layers' KV cache; the
 [T, vocab] logits of a whole long sequence are never held. Used for teacher-forced scoring (MQAR) and the
 lm-evaluation-harness log-likelihoods.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from hybrid.batch import left_pad
 from hybrid.generate import PREFILL_CHUNK_SIZE
 
 
@@ -36,16 +37,9 @@ def logits_at(model, sequences: list[list[int]], positions: list[list[int]], chu
     for i, (seq, pos) in enumerate(zip(sequences, positions)):
         if any(not 0 <= p < len(seq) for p in pos):
             raise ValueError(f"positions[{i}] must lie in [0, {len(seq)}), got {sorted(pos)[:3]}...{sorted(pos)[-3:]}")
-    B, L = len(sequences), max(len(s) for s in sequences)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    offsets = []
-    for row, seq in enumerate(sequences):
-        offsets.append(L - len(seq))
-        ids[row, offsets[-1]:] = torch.tensor(seq, dtype=torch.long)
-        mask[row, offsets[-1]:] = True
-    device = model.device
-    ids, mask = ids.to(device), mask.to(device)
+    batch = left_pad(sequences, pad_id, model.device)
+    ids, mask, offsets = batch.ids, batch.mask, batch.offsets
+    B, L = ids.shape
     cache = model.new_cache(B, capacity=L)
     found: list[dict[int, torch.Tensor]] = [{} for _ in range(B)]
     for s in range(0, L, chunk_size):
@@ -53,7 +47,7 @@ def logits_at(model, sequences: list[list[int]], positions: list[list[int]], chu
         for row in range(B):
             local = sorted({offsets[row] + p - s for p in positions[row]} & set(range(h.shape[1])))
             if local:
-                logits = model.lm_head(model.backbone.norm_f(h[row, local])).float()
+                logits = model.logits(h[row, local])
                 found[row].update({s + q - offsets[row]: logits[k] for k, q in enumerate(local)})
     vocab = model.config.vocab_size
     return [torch.stack([found[row][p] for p in positions[row]]) if positions[row] else torch.empty(0, vocab)

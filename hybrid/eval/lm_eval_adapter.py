@@ -37,7 +37,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from hybrid.eval.forward import logits_at
-from hybrid.generate import PREFILL_CHUNK_SIZE, SamplingParams, generate_ids
+from hybrid.generate import PREFILL_CHUNK_SIZE, generate_ids
+from hybrid.sampling import SamplingParams
 
 
 @register_model("hybrid")

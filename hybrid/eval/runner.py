@@ -28,7 +28,8 @@ from hybrid.eval.registry import expand_tasks, get_task
 from hybrid.eval.sample import Sample
 from hybrid.eval.scoring import score
 from hybrid.eval.tasks import fit_to_length, teacher_forced_pieces
-from hybrid.generate import PREFILL_CHUNK_SIZE, SamplingParams, generate_ids
+from hybrid.generate import PREFILL_CHUNK_SIZE, generate_ids
+from hybrid.sampling import SamplingParams
 
 DEFAULT_DEPTHS = (0.0, 25.0, 50.0, 75.0, 100.0)
 

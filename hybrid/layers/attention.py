@@ -59,7 +59,7 @@ class Attention(nn.Module):
         if ctx is None:
             ctx = StepContext(past=0, mask=None, key_mask=None)
         if kv is not None:
-            k, v = kv.write(k, v, ctx.past)
+            k, v = kv.update(k, v, ctx.past)
         mask = attention_mask(ctx, T, x.device)
         is_causal = mask is None and T > 1
         if self.num_kv_heads != self.num_heads and not _SDPA_HAS_GQA:  # torch 2.4

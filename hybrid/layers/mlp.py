@@ -8,10 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    """Squared ReLU, `relu(x) ** 2` (So et al. 2021, Primer)."""
-    return torch.relu(x).square()
+from moe.experts import relu2
 
 
 class MLP(nn.Module):

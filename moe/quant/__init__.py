@@ -1,21 +1,24 @@
-"""Packed FP8 / NVFP4 / MXFP4 weights: exact element formats, packed modules, checkpoint quantization configs.
+"""Weight formats and packed modules, usable by any Linear; nothing here knows a model or imports the rest of `moe`.
 
-    e2m1.py, e4m3.py, e8m0.py    the element and scale encodings (encode / decode as pure functions)
-    fp8.py, nvfp4.py, mxfp4.py   weight quantization and dequantization in each checkpoint format
-    format.py                    QuantFormat: a weight's tensors, names, shapes, dtypes; quantize / dequantize
-    activations.py               activation quantize-dequantize (W8A8 / W4A4 emulation)
-    packed.py, linear.py,        PackedWeight, QuantLinear, QuantExpertBank: modules whose only weights are
-    experts.py                   the packed tensors and scales
-    config.py                    ModelOpt (hf_quant_config.json, `modelopt`), compressed-tensors and `mxfp4`
-                                 quantization configs -> a QuantFormat per module name; writing ModelOpt's
-    triton_kernels.py            fused dequantize-matmul kernels for CUDA (FP8, NVFP4, grouped over experts)
+    e2m1.py, e4m3.py, e8m0.py    element and scale encodings (encode / decode as pure functions)
+    codec.py                     Codec (a format's numbers), Layout (a producer's storage), QuantFormat = both
+    fp8.py, nvfp4.py, mxfp4.py   the three formats: quantize / dequantize functions and their codec
+    formats.py                   the table: config and command-line names -> QuantFormat; `register`
+    config.py                    ModelOpt, compressed-tensors and `mxfp4` quantization configs -> a format per
+                                 module name; ModelOpt's files, written
+    packed.py, linear.py         PackedWeight (a weight held as its packed tensors), QuantLinear
+    prepacked.py                 bf16 weights prepacked for oneDNN (PrepackedLinear)
+    swap.py                      swap_modules: the one module-swapping loop
+    kernels/                     oneDNN and Triton kernels, and the seam choosing them
 
-Nothing here knows a model: modules are addressed by their dotted names only.
+Modules are addressed by their dotted names only.
 """
 
-from moe.quant.experts import QuantExpertBank
-from moe.quant.format import QuantFormat
+from moe.quant.codec import Codec, Layout, QuantFormat
 from moe.quant.linear import QuantLinear
 from moe.quant.packed import PackedWeight
+from moe.quant.prepacked import Prepacked, PrepackedLinear
+from moe.quant.swap import swap_modules
 
-__all__ = ["PackedWeight", "QuantExpertBank", "QuantFormat", "QuantLinear"]
+__all__ = ["Codec", "Layout", "PackedWeight", "Prepacked", "PrepackedLinear", "QuantFormat", "QuantLinear",
+           "swap_modules"]

@@ -26,23 +26,18 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from pathlib import Path
 
-from moe.quant.format import CT_FP4_NAMES, CT_FP8_NAMES, GPT_OSS_NAMES, MODELOPT_NAMES, QuantFormat
+from moe.quant.codec import QuantFormat
+from moe.quant.formats import COMPRESSED_TENSORS, GPT_OSS_MXFP4, MODELOPT_ALGOS
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 
-MODELOPT_ALGOS = {
-    "FP8": dict(kind="fp8", granularity="tensor", input_scale=True),
-    "FP8_PER_CHANNEL_PER_TOKEN": dict(kind="fp8", granularity="channel"),
-    "FP8_PB_WO": dict(kind="fp8", granularity="block"),
-    "NVFP4": dict(kind="nvfp4", input_scale=True),
-    "W4A16_NVFP4": dict(kind="nvfp4"),
-    "MXFP4": dict(kind="mxfp4"),
-}
-CT_FORMATS = ("float-quantized", "nvfp4-pack-quantized", "mxfp4-pack-quantized")
+# compressed-tensors `input_activations.dynamic` values under which a format stores a static input scale
+# ("local": NVFP4's dynamic block scales under a stored global scale)
+CT_STATIC_INPUT = {"float-quantized": (False,), "nvfp4-pack-quantized": (False, "local"), "mxfp4-pack-quantized": ()}
 
 
 class QuantConfigError(ValueError):
@@ -50,14 +45,14 @@ class QuantConfigError(ValueError):
 
 
 def modelopt_format(algo: str, group_size=None, where: str = "") -> QuantFormat:
-    """The `QuantFormat` of a ModelOpt `quant_algo` (case-insensitive)."""
-    spec = MODELOPT_ALGOS.get(str(algo).upper())
-    if spec is None:
+    """The `QuantFormat` of a ModelOpt `quant_algo` (case-insensitive; `moe.quant.formats.MODELOPT_ALGOS`)."""
+    fmt = MODELOPT_ALGOS.get(str(algo).upper())
+    if fmt is None:
         raise QuantConfigError(f"{where}: quant_algo {algo!r} is not supported; expected one of {sorted(MODELOPT_ALGOS)}")
-    expected = {"nvfp4": 16, "mxfp4": 32}.get(spec["kind"])
+    expected = fmt.codec.group
     if expected and group_size not in (None, expected):
         raise QuantConfigError(f"{where}: {algo} with group_size {group_size}; the format's block size is {expected}")
-    return QuantFormat(**spec, names=dict(MODELOPT_NAMES))
+    return fmt
 
 
 def _clean_pattern(p) -> str:
@@ -129,18 +124,19 @@ class QuantConfig:
             return next(iter(hits.values()))
         return None
 
-    def kinds(self) -> set[str]:
+    def labels(self) -> set[str]:
+        """The labels of every format the config declares ("NVFP4", "FP8-channel", ...)."""
         fmts = [self.default] + list(self.per_module.values()) + [f for _, f, _ in self.groups]
         return {f.label for f in fmts if f is not None}
 
     # ------------------------------------------------------------------------------------ reading
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, config_json: dict | None = None) -> "QuantConfig | None":
+    def from_checkpoint(cls, directory: str | Path, block: dict | None = None) -> "QuantConfig | None":
         """The quantization config of a checkpoint directory (hf_quant_config.json, else config.json's
-        `quantization_config`), or None for an unquantized checkpoint. `config_json`: the parsed config.json."""
+        `quantization_config` block, passed as `block` by the caller that parsed config.json), or None for an
+        unquantized checkpoint."""
         directory = Path(directory)
         path = directory / HF_QUANT_CONFIG
-        block = (config_json or {}).get("quantization_config")
         if path.exists():
             try:
                 raw = json.loads(path.read_text())
@@ -168,8 +164,8 @@ class QuantConfig:
             exclude = block.get("modules_to_not_convert") or []
             if not isinstance(exclude, list):
                 raise QuantConfigError(f"{source}: quantization_config.modules_to_not_convert must be a list")
-            fmt = QuantFormat("mxfp4", names=dict(GPT_OSS_NAMES), blocks_layout=True)
-            qc = cls("mxfp4", f"{source} (quantization_config)", default=fmt, exclude=[str(p) for p in exclude])
+            qc = cls("mxfp4", f"{source} (quantization_config)", default=GPT_OSS_MXFP4,
+                     exclude=[str(p) for p in exclude])
         else:
             raise QuantConfigError(
                 f"{source}: quantization_config.quant_method {block.get('quant_method')!r} is not supported; "
@@ -235,61 +231,53 @@ class QuantConfig:
 
 
 def _ct_format(fmt_name, group: dict, where: str) -> QuantFormat:
-    """The `QuantFormat` of one compressed-tensors config group."""
+    """The `QuantFormat` of one compressed-tensors config group (`moe.quant.formats.COMPRESSED_TENSORS`, its
+    layout refined by the group's strategy, block structure and activations)."""
     w = group.get("weights")
     if not isinstance(w, dict):
         raise QuantConfigError(f"{where}: no 'weights' quantization arguments")
-    if fmt_name not in CT_FORMATS:
+    if fmt_name not in COMPRESSED_TENSORS:
         raise QuantConfigError(f"{where}: compressed-tensors format {fmt_name!r} is not supported; expected one of "
-                               f"{list(CT_FORMATS)}")
+                               f"{list(COMPRESSED_TENSORS)}")
     if w.get("type") != "float" or w.get("symmetric", True) is False:
         raise QuantConfigError(f"{where}: weights must be symmetric floats for {fmt_name}, got {w}")
-    acts = group.get("input_activations")
-    static_acts = isinstance(acts, dict) and acts.get("dynamic", True) in (False, "local")
-    strategy = str(w.get("strategy") or "").lower()
-    if fmt_name == "float-quantized":
-        if w.get("num_bits") != 8:
-            raise QuantConfigError(f"{where}: float-quantized weights must have num_bits 8, got {w.get('num_bits')}")
-        granularity = {"tensor": "tensor", "channel": "channel", "block": "block"}.get(strategy)
-        if granularity is None:
-            raise QuantConfigError(f"{where}: FP8 weight strategy {strategy!r} is not supported (tensor, channel, block)")
-        block = 128
-        if granularity == "block":
-            bs = w.get("block_structure") or [128, 128]
+    base = COMPRESSED_TENSORS[fmt_name]
+    codec, layout = base.codec, base.layout
+    bits = codec.weight_args(layout)["num_bits"]
+    if w.get("num_bits") != bits or (codec.group and w.get("group_size") != codec.group):
+        needs = f"num_bits {bits}" + (f" and group_size {codec.group}" if codec.group else "")
+        raise QuantConfigError(f"{where}: {fmt_name} needs {needs}, got num_bits {w.get('num_bits')}"
+                               + (f" and group_size {w.get('group_size')}" if codec.group else ""))
+    if codec.granularities:  # the strategy is the scale granularity
+        strategy = str(w.get("strategy") or "").lower()
+        if strategy not in codec.granularities:
+            raise QuantConfigError(f"{where}: {codec.label(layout)} weight strategy {strategy!r} is not supported "
+                                   f"({', '.join(codec.granularities)})")
+        block = layout.block
+        if strategy == "block":
+            bs = w.get("block_structure") or [block, block]
             if len(bs) != 2 or bs[0] != bs[1]:
                 raise QuantConfigError(f"{where}: block_structure {bs} is not square")
             block = int(bs[0])
-        static_input = static_acts and acts.get("dynamic") is False
-        return QuantFormat("fp8", granularity=granularity, block=block, input_scale=static_input,
-                           names=dict(CT_FP8_NAMES), scalar_shape=(1,))
-    group_size = 16 if fmt_name == "nvfp4-pack-quantized" else 32
-    if w.get("num_bits") != 4 or w.get("group_size") != group_size:
-        raise QuantConfigError(f"{where}: {fmt_name} needs num_bits 4 and group_size {group_size}, got "
-                               f"{w.get('num_bits')} and {w.get('group_size')}")
-    if fmt_name == "nvfp4-pack-quantized":
-        return QuantFormat("nvfp4", divisor=True, input_scale=static_acts, names=dict(CT_FP4_NAMES), scalar_shape=(1,))
-    return QuantFormat("mxfp4", names={"data": "weight_packed", "scale": "weight_scale"}, scalar_shape=(1,))
+        layout = replace(layout, granularity=strategy, block=block)
+    acts = group.get("input_activations")
+    static_input = isinstance(acts, dict) and acts.get("dynamic", True) in CT_STATIC_INPUT[fmt_name]
+    return QuantFormat(codec, replace(layout, input_scale=static_input))
 
 
-def modelopt_config_files(fmt: QuantFormat, exclude: list[str], producer: dict) -> tuple[dict, dict]:
+def modelopt_config_files(algo: str, exclude: list[str], producer: dict) -> tuple[dict, dict]:
     """(hf_quant_config.json content, config.json `quantization_config` block) for a checkpoint quantized
-    with one ModelOpt algorithm, in the layout ModelOpt's `export_hf_checkpoint` writes (and vLLM reads)."""
-    algo = {("fp8", "tensor"): "FP8", ("fp8", "channel"): "FP8_PER_CHANNEL_PER_TOKEN", ("fp8", "block"): "FP8_PB_WO",
-            ("nvfp4", "tensor"): "NVFP4" if fmt.input_scale else "W4A16_NVFP4", ("mxfp4", "tensor"): "MXFP4"}[
-        (fmt.kind, fmt.granularity if fmt.kind == "fp8" else "tensor")]
+    with one ModelOpt algorithm (a key of `MODELOPT_ALGOS`), in the layout ModelOpt's `export_hf_checkpoint`
+    writes (and vLLM reads)."""
+    fmt = MODELOPT_ALGOS[algo]
+    weights = fmt.codec.weight_args(fmt.layout)
     quantization = {"quant_algo": algo, "kv_cache_quant_algo": None}
-    if fmt.kind != "fp8":
-        quantization["group_size"] = fmt.group
+    if "group_size" in weights:
+        quantization["group_size"] = weights["group_size"]
     quantization["exclude_modules"] = list(exclude)
-    weights = {"dynamic": False, "num_bits": 8 if fmt.kind == "fp8" else 4, "type": "float"}
-    if fmt.kind != "fp8":
-        weights["group_size"] = fmt.group
-    elif fmt.granularity != "tensor":
-        weights["strategy"] = fmt.granularity
     group = {"weights": weights, "targets": ["Linear"]}
-    if fmt.input_scale:
-        group["input_activations"] = {"dynamic": False, "num_bits": weights["num_bits"], "type": "float",
-                                      **({"group_size": fmt.group} if fmt.kind != "fp8" else {})}
+    if fmt.layout.input_scale:
+        group["input_activations"] = {k: weights[k] for k in ("dynamic", "num_bits", "type", "group_size") if k in weights}
     block = {"config_groups": {"group_0": group}, "ignore": list(exclude), "quant_algo": algo,
              "producer": producer, "quant_method": "modelopt"}
     return {"producer": producer, "quantization": quantization}, block

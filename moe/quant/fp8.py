@@ -1,4 +1,4 @@
-"""FP8 E4M3 weight quantization with per-tensor, per-channel or 128x128 block scales.
+"""FP8 E4M3 weights with per-tensor, per-channel or 128x128 block scales: the functions and the `FP8` codec.
 
     W[r, c] ~= e4m3(q[r, c]) * scale[...]          scale fp32, one of
         per-tensor    scale []                      ModelOpt `quant_algo: FP8`, compressed-tensors `tensor`
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from moe.quant.codec import Codec, Layout
 from moe.quant.e4m3 import E4M3_MAX, decode_e4m3, encode_e4m3
 
 GRANULARITIES = ("tensor", "channel", "block")
@@ -70,3 +71,57 @@ def quantize_fp8(w: torch.Tensor, granularity: str = "tensor", block: int = BLOC
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, granularity: str = "tensor", block: int = BLOCK) -> torch.Tensor:
     """(q float8_e4m3fn [..., out, in], scale fp32) -> float32 weight `e4m3(q) * scale`."""
     return decode_e4m3(q) * _expand(scale.float(), q.shape, granularity, block)
+
+
+class FP8Codec(Codec):
+    """E4M3 elements; an fp32 scale per tensor, channel or block (`layout.granularity`, `layout.block`);
+    optionally a static fp32 input scale (`amax / 448`)."""
+
+    name = "fp8"
+    granularities = GRANULARITIES
+
+    def label(self, layout: Layout) -> str:
+        return "FP8" if layout.granularity == "tensor" else f"FP8-{layout.granularity}"
+
+    def specs(self, layout, out_features, in_features):
+        scale = fp8_scale_shape(out_features, in_features, layout.granularity, layout.block)
+        if scale == ():
+            scale = layout.scalar_shape
+        elif layout.granularity == "channel" and layout.scalar_shape == (1,):  # compressed-tensors keeps [out, 1]
+            scale = (out_features, 1)
+        return {"data": ((out_features, in_features), torch.float8_e4m3fn), "scale": (scale, torch.float32)}
+
+    def quantize(self, w, layout):
+        q, scale = quantize_fp8(w, layout.granularity, layout.block)
+        return {"data": q, "scale": scale}
+
+    def dequantize(self, t, layout):
+        data, scale = t["data"], t["scale"]
+        if layout.granularity == "tensor":
+            scale = scale.reshape(data.shape[:-2])
+        elif layout.granularity == "channel":
+            scale = scale.reshape(data.shape[:-1])
+        return dequantize_fp8(data, scale, layout.granularity, layout.block)
+
+    def input_scale(self, amax, layout):
+        """ModelOpt `get_activation_scaling_factor`: amax / 448; an amax of 0 (never seen) gives 1.0."""
+        return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+    def fake_quantize(self, x, layout, input_scale):
+        """With a static `input_scale` s: x -> e4m3(x / s) * s (vLLM `kFp8StaticTensorSym`); without one,
+        dynamic per token, s = amax_token / 448."""
+        if input_scale is not None:
+            s = input_scale.float().reshape(())
+        else:
+            amax = x.abs().amax(dim=-1, keepdim=True)
+            s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        return decode_e4m3(encode_e4m3(x / s)) * s
+
+    def weight_args(self, layout):
+        args = {"dynamic": False, "num_bits": 8, "type": "float"}
+        if layout.granularity != "tensor":
+            args["strategy"] = layout.granularity
+        return args
+
+
+FP8 = FP8Codec()

@@ -1,12 +1,12 @@
-"""`QuantLinear`: an `nn.Linear` replacement whose weight stays packed (FP8, NVFP4 or MXFP4).
+"""`QuantLinear`: an `nn.Linear` replacement whose weight stays packed (FP8, NVFP4, MXFP4 or any registered format).
 
     y = x @ dequantize(W).T + bias         weight-only (W8A16 / W4A16), the default
-    y = q(x) @ dequantize(W).T + bias      with `act_quant=True`: inputs quantize-dequantized first
-                                           (W8A8 / W4A4 emulation, `moe.quant.activations`)
+    y = q(x) @ dequantize(W).T + bias      with `act_quant=True`: inputs quantize-dequantized first in the
+                                           format's activation format (W8A8 / W4A4 emulation)
 
 The state dict holds the checkpoint's own tensors (`weight`, `weight_scale`, ... as `fmt` names them) and
 an optional `bias` in the model dtype. On CUDA, with triton installed, FP8 and NVFP4 weight-only matmuls
-run in a Triton kernel that dequantizes tiles on the fly (`moe.quant.triton_kernels`); elsewhere the
+run in a Triton kernel that dequantizes tiles on the fly (`moe.quant.kernels.triton`); elsewhere the
 dequantized weight is built for the call and dropped after it.
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moe.quant.activations import fake_quantize_input
-from moe.quant.format import QuantFormat
+from moe.quant.codec import QuantFormat
+from moe.quant.kernels import triton_for
 from moe.quant.packed import PackedWeight
 
 
@@ -25,21 +25,19 @@ class QuantLinear(PackedWeight):
     """Shapes: x [..., in_features] -> [..., out_features] in x's dtype (the model's compute dtype)."""
 
     def __init__(self, fmt: QuantFormat, in_features: int, out_features: int, bias: bool = False,
-                 compute_dtype: torch.dtype = torch.bfloat16, act_quant: bool = False,
+                 dtype: torch.dtype = torch.bfloat16, act_quant: bool = False,
                  device: torch.device | str | None = None):
+        """`dtype`: the bias's dtype. Raises ValueError when `fmt` cannot store an [out, in] weight."""
         fmt.check_shape(out_features, in_features, "QuantLinear")
         super().__init__(fmt, out_features, in_features, device=device)
-        self.compute_dtype, self.act_quant = compute_dtype, act_quant
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device)) if bias else None
+        self.act_quant = act_quant
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant:
-            x = fake_quantize_input(x, self.fmt, self.activation_scale())
-        elif x.is_cuda:
-            from moe.quant import triton_kernels
-
-            if triton_kernels.supports(self.fmt):
-                return triton_kernels.linear(x, self, self.bias)
+            x = self.fmt.fake_quantize(x, self.activation_scale())
+        elif (kernels := triton_for(x, self.fmt)) is not None:
+            return kernels.linear(x, self, self.bias)
         return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     @classmethod

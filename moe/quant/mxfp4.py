@@ -1,4 +1,5 @@
-"""MXFP4 (OCP microscaling): E2M1 codes in blocks of 32 along the input dimension, one E8M0 scale per block.
+"""MXFP4 (OCP microscaling): E2M1 codes in blocks of 32 along the input dimension, one E8M0 scale per block
+(the functions and the `MXFP4` codec).
 
 Layout (OCP Microscaling Formats (MX) v1.0, sections 5.3.3 and 6; gpt-oss, compressed-tensors
 `mxfp4-pack-quantized`), for a weight [out, in]:
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from moe.quant.codec import Codec
 from moe.quant.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 from moe.quant.e8m0 import E8M0_BIAS, decode_e8m0, encode_e8m0
 
@@ -56,3 +58,37 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, group: int = GR
     """(packed uint8 [..., out, in/2], scales uint8 [..., out, in/32]) -> float32 [..., out, in]."""
     values = decode_e2m1(unpack_nibbles(packed)).unflatten(-1, (-1, group))
     return (values * decode_e8m0(scales)[..., None]).flatten(-2)
+
+
+class MXFP4Codec(Codec):
+    """E2M1 codes in blocks of 32 with E8M0 (power-of-two) block scales; no global or input scale. With
+    `layout.blocks_layout` the data is gpt-oss' `*_blocks [out, in/32, 16]` (the same bytes)."""
+
+    name = "mxfp4"
+    group = GROUP
+
+    def specs(self, layout, out_features, in_features):
+        data = (out_features, in_features // self.group, self.group // 2) if layout.blocks_layout else \
+            (out_features, in_features // 2)
+        return {"data": (data, torch.uint8), "scale": ((out_features, in_features // self.group), torch.uint8)}
+
+    def quantize(self, w, layout):
+        packed, scale = quantize_mxfp4(w, group=self.group)
+        return {"data": packed.unflatten(-1, (-1, self.group // 2)) if layout.blocks_layout else packed,
+                "scale": scale}
+
+    def dequantize(self, t, layout):
+        data = t["data"].flatten(-2) if layout.blocks_layout else t["data"]
+        return dequantize_mxfp4(data, t["scale"], group=self.group)
+
+    def fake_quantize(self, x, layout, input_scale):
+        """Dynamic E8M0 scales per 32-block."""
+        flat = x.reshape(-1, x.shape[-1])
+        packed, scales = quantize_mxfp4(flat, group=self.group)
+        return dequantize_mxfp4(packed, scales, group=self.group).reshape(x.shape)
+
+    def weight_args(self, layout):
+        return {"dynamic": False, "num_bits": 4, "type": "float", "group_size": self.group}
+
+
+MXFP4 = MXFP4Codec()

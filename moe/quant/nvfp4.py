@@ -1,4 +1,5 @@
-"""NVFP4: E2M1 codes in blocks of 16 along the input dimension, an E4M3 scale per block, an fp32 global scale.
+"""NVFP4: E2M1 codes in blocks of 16 along the input dimension, an E4M3 scale per block, an fp32 global scale
+(the functions and the `NVFP4` codec).
 
 On disk (NVIDIA ModelOpt `quant_algo: NVFP4`; vLLM `ModelOptNvFp4LinearMethod`), for a weight [out, in]:
 
@@ -14,7 +15,7 @@ compressed-tensors (`nvfp4-pack-quantized`) stores the same codes and block scal
 
     W[r, c] = E2M1[code(r, c)] * (float(weight_scale[r, c // 16]) / weight_global_scale)
 
-(shared/cases.md case 13, tests/test_quant_oracles.py: using one as the other is off by a factor of global_scale^2.)
+(docs/cases.md case 13, tests/test_quant_oracles.py: using one as the other is off by a factor of global_scale^2.)
 
 Quantization. ModelOpt (`NVFP4QTensor.quantize`):
     weight_scale_2 = amax|W| / (6 * 448)
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from moe.quant.codec import Codec, Layout
 from moe.quant.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 from moe.quant.e4m3 import E4M3_MAX, E4M3_MIN_SUBNORMAL, decode_e4m3, encode_e4m3
 
@@ -97,3 +99,50 @@ def dequantize_nvfp4(
     g = global_scale.float()[(...,) + (None,) * 2]
     step = decode_e4m3(scale) / g if divisor else decode_e4m3(scale) * g
     return (values * step[..., None]).flatten(-2)
+
+
+class NVFP4Codec(Codec):
+    """E2M1 codes in blocks of 16 with E4M3 block scales and an fp32 global scale, a multiplier (ModelOpt) or
+    a divisor (compressed-tensors, `layout.divisor`); optionally the activations' global scale."""
+
+    name = "nvfp4"
+    group = GROUP
+
+    def roles(self, layout: Layout) -> tuple[str, ...]:
+        return ("data", "scale", "global") + (("input",) if layout.input_scale else ())
+
+    def specs(self, layout, out_features, in_features):
+        return {"data": ((out_features, in_features // 2), torch.uint8),
+                "scale": ((out_features, in_features // self.group), torch.float8_e4m3fn),
+                "global": (layout.scalar_shape, torch.float32)}
+
+    def quantize(self, w, layout):
+        convention = "compressed-tensors" if layout.divisor else "modelopt"
+        packed, scale, g = quantize_nvfp4(w, convention=convention, group=self.group)
+        return {"data": packed, "scale": scale, "global": g}
+
+    def dequantize(self, t, layout):
+        data = t["data"]
+        g = t["global"].reshape(data.shape[:-2])
+        return dequantize_nvfp4(data, t["scale"], g, divisor=layout.divisor, group=self.group)
+
+    def input_scale(self, amax, layout):
+        """ModelOpt: amax / (6 * 448), a multiplier (compressed-tensors' divisor is its inverse); an amax of 0
+        (never seen) gives 1.0."""
+        scale = torch.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), torch.ones_like(amax))
+        return 1.0 / scale if layout.divisor else scale
+
+    def fake_quantize(self, x, layout, input_scale):
+        """Dynamic E4M3 scales per 16-block under the activation global scale, as for weights (ModelOpt
+        convention; compressed-tensors' `input_global_scale` is the divisor 1/g)."""
+        g = None if input_scale is None else input_scale.float().reshape(())
+        convention = "compressed-tensors" if layout.divisor else "modelopt"
+        flat = x.reshape(-1, x.shape[-1])
+        packed, scale, g = quantize_nvfp4(flat, g, convention, self.group)
+        return dequantize_nvfp4(packed, scale, g, divisor=layout.divisor, group=self.group).reshape(x.shape)
+
+    def weight_args(self, layout):
+        return {"dynamic": False, "num_bits": 4, "type": "float", "group_size": self.group}
+
+
+NVFP4 = NVFP4Codec()

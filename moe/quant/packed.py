@@ -1,8 +1,12 @@
 """`PackedWeight`: one weight, or a stack of expert weights, held only as its packed tensors and scales.
 
 The module's buffers are exactly the checkpoint's tensors for that weight (named as the producer names
-them, see `moe.quant.format`), so resident memory is the packed size and loading is a name-for-name copy.
+them, see `moe.quant.codec`), so resident memory is the packed size and loading is a name-for-name copy.
 Nothing dense is cached: `dequantize` builds the float weight (of one expert, when asked) on each call.
+
+`PackedWeight` is also the interface by which the rest of the code recognises packed tensors: a module that
+is an instance of it holds its format (`fmt`), its logical shape (`n_experts`, `out_features`,
+`in_features`, `numel`) and buffers whose dtypes are the format's (model-wide dtype casts leave them alone).
 """
 
 from __future__ import annotations
@@ -10,17 +14,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.quant.format import QuantFormat
+from moe.quant.codec import QuantFormat
 
 
 class PackedWeight(nn.Module):
     """A `[out, in]` weight, or `[n_experts, out, in]` when `n_experts` is given, stored in `fmt`.
 
     Buffers: `fmt.tensor_specs(out, in)` (each with the leading expert dim for a stack).
-    `keeps_dtypes`: model-wide dtype casts leave these tensors alone (their dtypes are the format).
     """
-
-    keeps_dtypes = True
 
     def __init__(self, fmt: QuantFormat, out_features: int, in_features: int, n_experts: int | None = None,
                  device: torch.device | str | None = None):
@@ -45,6 +46,11 @@ class PackedWeight(nn.Module):
     def activation_scale(self, expert: int | None = None) -> torch.Tensor | None:
         s = self.role("input")
         return s if s is None or expert is None else s[expert]
+
+    @property
+    def numel(self) -> int:
+        """Weights this module stands for: n_experts x out x in (the scales count as none)."""
+        return (self.n_experts or 1) * self.out_features * self.in_features
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers(recurse=False))

@@ -5,8 +5,9 @@ One kernel computes `out[rows] = x[rows] @ dequant(W_e).T` for row tiles that ea
 packed weight, decodes it in registers with the format's exact tables (the 256 E4M3 values, the 16
 E2M1 values) and scales, and feeds `tl.dot` with fp32 accumulation; no dequantized weight ever exists
 in memory. The grouped form (`expert_bank`) sorts token/expert pairs by expert, gives every expert
-ceil(count / BLOCK_M) row tiles, and runs the up projection, squared ReLU and down projection as two
-launches over all chosen experts (the MoE layout of vLLM's `fused_moe`, without the padding buffers).
+ceil(count / BLOCK_M) row tiles (`row_tiles`), so that `moe.experts.QuantExpertBank` runs the up and down
+projections of all chosen experts as two launches (the MoE layout of vLLM's `fused_moe`, without the
+padding buffers).
 
 Weights (`PackedWeight` tensors, row-major as on disk):
     FP8    data e4m3 [E?, N, K]; scale fp32 per tensor [E?], per channel [E?, N] or per 128x128 block
@@ -29,10 +30,10 @@ except ImportError:  # triton is optional (the `cuda` extra)
 
 from moe.quant.e2m1 import E2M1_VALUES
 from moe.quant.e4m3 import e4m3_value
-from moe.quant.format import QuantFormat
+from moe.quant.codec import QuantFormat
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
-_FP8, _NVFP4 = 0, 1
+KERNEL_KINDS = {"fp8": 0, "nvfp4": 1}  # codec name -> the kernel's KIND (how it decodes a weight tile)
 
 
 def available() -> bool:
@@ -40,12 +41,8 @@ def available() -> bool:
 
 
 def supports(fmt: QuantFormat | None) -> bool:
-    """Whether a weight in `fmt` can run in the fused kernel (weight-only FP8 any granularity, NVFP4 /16)."""
-    return available() and fmt is not None and (fmt.kind == "fp8" or (fmt.kind == "nvfp4" and fmt.group == 16))
-
-
-def supports_bank(bank) -> bool:
-    return supports(bank.up_proj.fmt) and supports(bank.down_proj.fmt)
+    """Whether a weight in `fmt` can run in the fused kernel (weight-only FP8 of any granularity, NVFP4)."""
+    return available() and fmt is not None and fmt.codec.name in KERNEL_KINDS
 
 
 if triton is not None:
@@ -116,16 +113,16 @@ def _luts(device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _scale_layout(proj, N: int, K: int) -> tuple[int, int, int, int, int]:
     """(stride_se, stride_sn, stride_sk, sbn, sbk) of the projection's block scales."""
-    fmt, scale = proj.fmt, proj.role("scale")
+    layout, scale = proj.fmt.layout, proj.role("scale")
     stacked = proj.n_experts is not None
     stride_se = scale.stride(0) if stacked else 0
-    if fmt.kind == "nvfp4":
-        return stride_se, scale.stride(-2), 1, 1, 16
-    if fmt.granularity == "tensor":
+    if proj.fmt.codec.group:  # NVFP4: one scale per `group` inputs of a row
+        return stride_se, scale.stride(-2), 1, 1, proj.fmt.codec.group
+    if layout.granularity == "tensor":
         return stride_se, 0, 0, N, K
-    if fmt.granularity == "channel":
+    if layout.granularity == "channel":
         return stride_se, 1, 0, 1, K
-    return stride_se, scale.stride(-2), scale.stride(-1), fmt.block, fmt.block
+    return stride_se, scale.stride(-2), scale.stride(-1), layout.block, layout.block
 
 
 def grouped_matmul(x: torch.Tensor, proj, tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -139,7 +136,7 @@ def grouped_matmul(x: torch.Tensor, proj, tiles: tuple[torch.Tensor, torch.Tenso
     stride_se, stride_sn, stride_sk, sbn, sbk = _scale_layout(proj, N, K)
     scale = proj.role("scale")
     scale = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale.float()
-    g = proj.role("global") if proj.fmt.kind == "nvfp4" else None
+    g = proj.role("global")
     g = (g.float().reshape(-1) if g is not None else torch.ones(1, device=x.device))
     e4m3_lut, e2m1_lut = _luts(x.device)
     expert, start, end = tiles
@@ -148,13 +145,13 @@ def grouped_matmul(x: torch.Tensor, proj, tiles: tuple[torch.Tensor, torch.Tenso
         x, out, w, scale, g, e4m3_lut, e2m1_lut, expert, start, end,
         N, K, x.stride(0), out.stride(0),
         w.stride(0) if stacked else 0, w.stride(-2), stride_se, stride_sn, stride_sk, sbn, sbk,
-        KIND=_FP8 if proj.fmt.kind == "fp8" else _NVFP4, DIVISOR=bool(proj.fmt.divisor),
+        KIND=KERNEL_KINDS[proj.fmt.codec.name], DIVISOR=proj.fmt.layout.divisor,
         IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
     )
     return out
 
 
-def _row_tiles(counts: torch.Tensor, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_tiles(counts: torch.Tensor, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-expert row counts [E] -> (expert [tiles], start [tiles], end [tiles]) int32, rows grouped by expert."""
     ends = torch.cumsum(counts, 0)
     starts = ends - counts
@@ -169,21 +166,8 @@ def _row_tiles(counts: torch.Tensor, block_m: int = BLOCK_M) -> tuple[torch.Tens
 def linear(x: torch.Tensor, proj, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequant(W), bias)` for a `QuantLinear` (or any single `PackedWeight`), fused."""
     flat = x.reshape(-1, x.shape[-1])
-    tiles = _row_tiles(torch.tensor([flat.shape[0]], device=x.device))
+    tiles = row_tiles(torch.tensor([flat.shape[0]], device=x.device))
     out = grouped_matmul(flat, proj, tiles)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], proj.out_features)
-
-
-def expert_bank(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, bank) -> torch.Tensor:
-    """`QuantExpertBank.forward` with both projections fused: x [T, L], weights/ids [T, k] -> [T, L]."""
-    T, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    token_of = order // k
-    tiles = _row_tiles(torch.bincount(flat, minlength=bank.n_experts))
-    h = grouped_matmul(x[token_of], bank.up_proj, tiles)
-    y = grouped_matmul(torch.relu(h).square(), bank.down_proj, tiles)
-    y = y.float() * weights.reshape(-1)[order, None]
-    return torch.zeros(T, x.shape[-1], dtype=torch.float32, device=x.device).index_add_(0, token_of, y).to(x.dtype)

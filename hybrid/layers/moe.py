@@ -4,6 +4,7 @@
     routed = fc2_latent_proj(experts(fc1_latent_proj(x), w, ids))     (latent projections only with moe_latent_size)
     out = routed + shared_experts(x)                                   (the shared expert sees the full x)
 
+The Nemotron-specific assembly of the model-agnostic parts in `moe` (router maths, expert banks, dispatch).
 Reference: transformers `NemotronHMoE`, vLLM `NemotronHMoE`.
 """
 
@@ -12,15 +13,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybrid.config import HybridConfig
 from hybrid.layers.mlp import MLP
 from moe.experts import ExpertBank
 from moe.router import TopkRouter
 
 
 class MoE(nn.Module):
-    """Shapes: x [B, T, hidden_size] -> [B, T, hidden_size]. `config` is a `hybrid.HybridConfig`."""
+    """Shapes: x [B, T, hidden_size] -> [B, T, hidden_size]."""
 
-    def __init__(self, config):
+    def __init__(self, config: HybridConfig):
         super().__init__()
         H, latent = config.hidden_size, config.moe_latent_size
         self.gate = TopkRouter(H, config.n_routed_experts, config.num_experts_per_tok, config.n_group,
@@ -32,7 +34,7 @@ class MoE(nn.Module):
         self.fc1_latent_proj = nn.Linear(H, latent, bias=config.mlp_bias) if latent else None
         self.fc2_latent_proj = nn.Linear(latent, H, bias=config.mlp_bias) if latent else None
 
-    def forward(self, x: torch.Tensor, ctx=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)

@@ -1,0 +1,120 @@
+"""Choosing the next token: sampling parameters with a random generator per row, the filtered distribution,
+the draw; and the `Completion` a generation returns. Plain, speculative and (later) served generation all
+use this module; none of them imports another.
+
+    probs = filtered_probs(logits, params)     softmax(logits / temperature), top-k, then top-p, renormalised
+    ids = sample(logits, params)               argmax when temperature is 0, else one draw per row
+
+`params` is one `SamplingParams` for the whole batch (one generator draws every row), or a list with one per
+row (each row draws from its own generator, so a row gives the same tokens in any batch as alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 (or None) is greedy (ties: lowest id); top_k / top_p filter before sampling; `seed`
+    makes the draws reproducible (this object's own generator).
+
+    Raises:
+        ValueError: temperature < 0, top_k < 1, or top_p outside (0, 1].
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.temperature is not None and self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.seed)
+
+
+Sampling = SamplingParams | Sequence[SamplingParams]
+
+
+def _per_row(params: Sampling, rows: int) -> Sequence[SamplingParams] | None:
+    """The list of per-row params, or None for one `SamplingParams` shared by the batch."""
+    if isinstance(params, SamplingParams):
+        return None
+    if len(params) != rows:
+        raise ValueError(f"{len(params)} sampling parameter sets for {rows} rows")
+    return params
+
+
+def filtered_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
+    """The distribution tokens are drawn from: softmax(logits / temperature) restricted to the top-k tokens
+    and to the smallest top-p prefix, renormalised. logits [B, V] -> probs [B, V] fp32; greedy (temperature
+    0) is the one-hot of the argmax."""
+    rows = _per_row(params, logits.shape[0])
+    if rows is not None:
+        return torch.cat([filtered_probs(logits[i:i + 1], p) for i, p in enumerate(rows)])
+    if not params.temperature:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    logits = logits.float() / params.temperature
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p is not None and params.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
+    """Next token ids [B] int64 from logits [B, V] (fp32)."""
+    rows = _per_row(params, logits.shape[0])
+    if rows is not None:
+        return torch.cat([sample(logits[i:i + 1], p) for i, p in enumerate(rows)])
+    if not params.temperature:
+        return logits.argmax(dim=-1)
+    probs = filtered_probs(logits, params)
+    return torch.multinomial(probs.cpu(), 1, generator=params.generator)[:, 0].to(logits.device)
+
+
+@dataclass
+class Completion:
+    """One generated continuation.
+
+    token_ids: the generated ids, the stop token included when `finish_reason == "stop"`.
+    text: the decoded continuation without special tokens and without the stop token.
+    finish_reason: "stop" (a stop id was produced) or "length" (`max_new_tokens` reached).
+    acceptance_rate: with speculative decoding, the share of drafted tokens the model accepted.
+    prefill_seconds / decode_seconds: wall time of the batch's prefill (up to the first token) and of the
+    decode steps after it; the rates count this row's tokens.
+    """
+
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    prefill_seconds: float
+    decode_seconds: float
+    text: str = ""
+    acceptance_rate: float | None = None
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("inf")
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second of the decode steps (the first token comes from the prefill); None if none ran."""
+        steps = len(self.token_ids) - 1
+        if steps < 1:
+            return None
+        return steps / self.decode_seconds if self.decode_seconds > 0 else float("inf")

@@ -1,0 +1,25 @@
+"""Low-level compute kernels for the packed modules, and the seam that picks one.
+
+    onednn.py   bf16 matrix products on prepacked oneDNN weights (CPU)
+    triton.py   fused dequantize-matmul for FP8 / NVFP4 weights, plain or grouped by expert (CUDA)
+
+The PyTorch reference (dequantize the weight, then an ordinary matmul) is what runs wherever no kernel
+applies; every kernel is tested against it. Private PyTorch operators appear only in these modules (each
+module's docstring names the ones it uses; `docs/architecture.md` lists them all).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+
+def triton_for(x: torch.Tensor, *fmts) -> ModuleType | None:
+    """`moe.quant.kernels.triton` when `x` is a CUDA tensor and the fused kernels support every format in
+    `fmts` (imported on first use, so CPU runs never import triton); None means: use the PyTorch path."""
+    if not x.is_cuda:
+        return None
+    from moe.quant.kernels import triton
+
+    return triton if all(triton.supports(f) for f in fmts) else None

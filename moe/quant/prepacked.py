@@ -1,0 +1,112 @@
+"""Modules whose bf16 weights are held prepacked for oneDNN (`moe.quant.kernels.onednn`), for CPU inference.
+
+`Prepacked` is what every such module shares (`PrepackedLinear` here, `moe.experts.PrepackedExpertBank`):
+the math is that of the plain module it replaces (bf16 inputs and weights, fp32 accumulation, bf16 output;
+only the summation order inside a dot product differs), and the packed weight is the only copy kept.
+`state_dict()` and the weight attributes still give the dense tensors under the plain module's names (read
+back from the packed layout: a copy, so writing into it changes nothing), and `load_state_dict` repacks
+what it is given. A prepacked module is for inference only: a change of dtype or device raises (load the
+model that way instead), and its packed weights are not parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from moe.quant.kernels import onednn
+
+
+class Prepacked(nn.Module):
+    """The interface of a module holding oneDNN-prepacked weights: `dense_shapes()` names the dense tensors
+    it stands for, `dense_tensors()` reads them back one at a time, `repack(name, dense)` replaces one,
+    `to_plain()` gives the plain module back."""
+
+    def dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of the dense bf16 tensors the packed ones stand for (as the plain module names them)."""
+        raise NotImplementedError
+
+    def dense_tensor(self, name: str) -> torch.Tensor:
+        """Dense tensor `name` (a bf16 copy read back from the packed layout)."""
+        raise NotImplementedError
+
+    def repack(self, name: str, dense: torch.Tensor) -> None:
+        """Replace the packed form of dense tensor `name` (bf16, of the shape `dense_shapes` gives)."""
+        raise NotImplementedError
+
+    def to_plain(self) -> nn.Module:
+        """The plain module with these weights (dense copies)."""
+        raise NotImplementedError
+
+    def dense_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, dense copy) of each packed tensor, one at a time, in `dense_shapes` order."""
+        for name in self.dense_shapes():
+            yield name, self.dense_tensor(name)
+
+    # nn.Module extension hooks: the state dict holds the dense tensors under the plain module's names
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, t in self.dense_tensors():  # first, as the plain module lists its weights before a bias
+            destination[prefix + name] = t
+        super()._save_to_state_dict(destination, prefix, keep_vars)  # registered tensors (a bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        for name, shape in self.dense_shapes().items():
+            key = prefix + name
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            if key not in state_dict:
+                missing_keys.append(key)
+            elif tuple(state_dict[key].shape) != shape:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape "
+                                  f"{tuple(state_dict[key].shape)}, the shape in the current model is {shape}")
+            else:
+                self.repack(name, state_dict[key].detach().to(torch.bfloat16))
+
+    def _apply(self, fn, recurse=True):
+        probe = fn(torch.empty(0, dtype=torch.bfloat16))
+        if probe.dtype != torch.bfloat16 or probe.device.type != "cpu":
+            raise RuntimeError("a model with oneDNN-prepacked weights stays bf16 on the CPU: load it in the dtype and "
+                               "on the device you need, or with prepack=False")
+        return super()._apply(fn, recurse)
+
+
+class PrepackedLinear(Prepacked):
+    """An inference-only `nn.Linear` (bf16, CPU) holding its weight prepacked. Shapes: [..., in] -> [..., out]."""
+
+    def __init__(self, source: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = source.in_features, source.out_features
+        self.packed = onednn.pack(source.weight)
+        self.bias = source.bias
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight [out, in] bf16 (a copy read back from the packed layout)."""
+        return self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn.linear(x, self.packed, self.bias)
+
+    def to_plain(self) -> nn.Linear:
+        """The `nn.Linear` with these weights (dense copies)."""
+        with torch.device("meta"):  # built empty, then given the dense weights
+            plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        plain.weight, plain.bias = nn.Parameter(self.weight), self.bias
+        return plain
+
+    def dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"weight": (self.out_features, self.in_features)}
+
+    def dense_tensor(self, name: str) -> torch.Tensor:
+        return self.weight
+
+    def repack(self, name: str, dense: torch.Tensor) -> None:
+        self.packed = onednn.pack(dense)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
