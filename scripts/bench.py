@@ -13,8 +13,10 @@ runs in its own process (so its peak resident memory is its own), reading the sa
 - ours: `hybrid.load` + `hybrid.generate.generate_ids` (the user's path), greedy;
 - transformers: `NemotronHForCausalLM.from_pretrained` + `generate` (always; prefill lengths above
   `--peer-max-prefill` are skipped, it is about 10x slower);
-- llama.cpp: when `../shared/tools/llamacpp-peer setup` has been run (its venv exists), the checkpoint is
-  converted to a GGUF of the same dtype and benchmarked by the tool.
+- llama.cpp: through the optional external `llamacpp-peer` tool (`--peer-tool`, by default
+  `../shared/tools/llamacpp-peer`, not part of this repository), when its `setup` has been run (its venv
+  exists): the checkpoint is converted to a GGUF of the same dtype and benchmarked by the tool. Without
+  the tool the llama.cpp figures are left out (the README says how to run llama.cpp by hand).
 
 Figures: load seconds; prefill tokens/s and time to first token per prompt length; decode tokens/s at each
 batch size (all rows together); peak resident memory; the cache's bytes after the longest prompt; the
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER_TOOL = ROOT.parent / "shared" / "tools" / "llamacpp-peer"
+PEER_TOOL = ROOT.parent / "shared" / "tools" / "llamacpp-peer"  # the default of --peer-tool
 PEER_HOME = Path(os.environ.get("PEER_HOME", Path.home() / ".cache" / "hybrid-peers"))
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -187,19 +189,20 @@ def run_worker(engine: str, args, directory: Path) -> dict:
 
 def run_llamacpp(args, directory: Path) -> dict | None:
     """llama.cpp through the peer tool, or None when its environment was never set up."""
-    if not (PEER_HOME / "llama-venv" / "bin" / "python").exists() or not PEER_TOOL.exists():
+    tool = Path(args.peer_tool)
+    if not (PEER_HOME / "llama-venv" / "bin" / "python").exists() or not tool.exists():
         return None
     gguf = directory / f"model-{args.dtype}.gguf"
     outtype = {"bf16": "bf16", "fp32": "f32"}[args.dtype]
     if not gguf.exists():
-        subprocess.run([str(PEER_TOOL), "convert", str(directory), str(gguf), outtype], check=True,
+        subprocess.run([str(tool), "convert", str(directory), str(gguf), outtype], check=True,
                        capture_output=True)
     result = {"engine": "llama.cpp", "prefill": {}, "decode": {}}
     for L in args.lengths:
         # run through a Python parent that reports the peak RSS of its descendants (the tool's process)
         report_peak = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
                        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024); sys.exit(r.returncode)")
-        done = subprocess.run([sys.executable, "-c", report_peak, str(PEER_TOOL), "bench", str(gguf), str(L),
+        done = subprocess.run([sys.executable, "-c", report_peak, str(tool), "bench", str(gguf), str(L),
                                str(args.decode_tokens), str(args.threads)], capture_output=True, text=True)
         if done.returncode != 0:
             result["prefill"][str(L)] = {"error": done.stderr.strip()[-300:]}
@@ -293,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-prompt", type=int, default=32, help="prompt tokens before the decode measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp"])
+    p.add_argument("--peer-tool", default=str(PEER_TOOL),
+                   help="the optional external llamacpp-peer script (setup, convert, bench); skipped when absent")
     p.add_argument("--peer-max-prefill", type=int, default=1024, help="longest prompt given to transformers")
     p.add_argument("--peer-decode-tokens", type=int, default=8, help="decode tokens timed for transformers")
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "hybrid-bench")

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import hybrid
-from hybrid.cache import MambaState, StepContext
+from hybrid.cache import Cache, HybridCache, MambaState, StepContext
 from hybrid.config import HybridConfig
 
-# Settings shared by every tiny config. `time_step_min` is the trap of shared/semantics.md: transformers'
+# Settings shared by every tiny config. `time_step_min` is the trap of docs/semantics.md: transformers'
 # prefill clamps dt to >= time_step_min (1e-3) and its decode does not; 1e-9 makes that clamp a no-op.
 TINY_DEFAULTS = dict(
     vocab_size=96,
@@ -235,7 +235,7 @@ def run_mixer(mixer, x: torch.Tensor, state: MambaState | None = None, past: int
 
 def naive_mamba_mixer(mixer, x: torch.Tensor, dt_limit=(0.0, math.inf), conv_window=None, ssm_state=None,
                       tiled_groups: bool = False, norm_groups: int | None = None):
-    """Float64 reference of one Mamba-2 mixer, written from shared/semantics.md with plain loops:
+    """Float64 reference of one Mamba-2 mixer, written from docs/semantics.md with plain loops:
     per-position causal conv, per-head sequential recurrence S_t = exp(dt A) S + dt x B^T, y = S C + D x,
     then y * silu(z), RMSNorm over each of the n_groups slices separately, times norm.weight, out_proj.
 
@@ -270,7 +270,7 @@ def naive_mamba_mixer(mixer, x: torch.Tensor, dt_limit=(0.0, math.inf), conv_win
     heads_per_group = nh // ng
     for b in range(Bsz):
         for h in range(nh):
-            grp = h % ng if tiled_groups else h // heads_per_group  # contiguous groups (cases.md case 2)
+            grp = h % ng if tiled_groups else h // heads_per_group  # contiguous groups (docs/cases.md case 2)
             for t in range(T):
                 x_t = xs[b, t, h * P : (h + 1) * P]
                 B_t = Bm[b, t, grp * N : (grp + 1) * N]
@@ -290,3 +290,37 @@ def naive_mamba_mixer(mixer, x: torch.Tensor, dt_limit=(0.0, math.inf), conv_win
 
 def load_ours(directory, dtype=torch.float32):
     return hybrid.load_model(directory, dtype=dtype)
+
+
+class InterfaceOnly(Cache):
+    """A `Cache` that offers only the interface's methods, each forwarded to a `HybridCache` and counted: code
+    that runs on it uses the interface and nothing of the dense implementation (`layers`, `k`, `fill_rows` ...)."""
+
+    def __init__(self, inner: HybridCache):
+        self.inner, self.calls = inner, {}
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+        return getattr(self.inner, name)
+
+    batch_size = property(lambda self: self.inner.batch_size)
+    seq_len = property(lambda self: self.inner.seq_len)
+    key_mask = property(lambda self: self.inner.key_mask)
+
+    def begin(self, *args, **kwargs):
+        return self._count("begin")(*args, **kwargs)
+
+    def layer(self, i):
+        return self._count("layer")(i)
+
+    def rollback(self, keep):
+        return self._count("rollback")(keep)
+
+    def snapshot_kv(self, row, start, end):
+        return self._count("snapshot_kv")(row, start, end)
+
+    def snapshot_mamba(self, row):
+        return self._count("snapshot_mamba")(row)
+
+    def restore(self, row, length, kv, mamba):
+        return self._count("restore")(row, length, kv, mamba)

@@ -14,7 +14,7 @@ import torch
 
 from hybrid.cache import HybridCache
 from hybrid.config import HybridConfig
-from helpers import random_ids
+from helpers import InterfaceOnly, random_ids
 
 CACHE_CONFIGS = ["all4_ng2_gqa4_c8", "ngnh_mqa_c8_k2", "chunk64_ng2", "nano_like_c16"]
 # fp32 rounding only: different chunkings / batchings sum in other orders. Logits are O(1..5) here and
@@ -169,7 +169,7 @@ def test_cache_bytes_hand_computed(checkpoint, dtype):
 
 
 def test_cache_bytes_nano_config():
-    """Nemotron 3 Nano 30B-A3B (shared/semantics.md): KV = 6 layers * 2 * 2 heads * 128 * 2 bytes = 6,144
+    """Nemotron 3 Nano 30B-A3B (docs/semantics.md): KV = 6 layers * 2 * 2 heads * 128 * 2 bytes = 6,144
     bytes per token in bf16; Mamba state = 23 * (64*64*128*4 + 6144*3*2) bytes (~46.8 MiB) per sequence."""
     config = HybridConfig.from_dict({
         "hybrid_override_pattern": "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
@@ -210,3 +210,17 @@ def test_masked_decode_step_leaves_the_row_untouched(checkpoint):
         ref = model(nxt[:1], cache=alone)[0]
     assert (la[0] - ref[0]).abs().max() <= TOL  # row 0 as if the pad never came
     assert (lb[0] - ref[0]).abs().max() > 1e-3  # (feeding the token for real does change it)
+
+
+def test_the_model_reaches_its_state_only_through_the_cache_interface(checkpoint):
+    """Prefill, a chunk and decode steps on a cache that offers nothing but the `Cache` interface give the
+    logits of one full forward (the layers read and write their state only through `Cache.layer`)."""
+    ck = checkpoint("all4_ng2_gqa4_c8")
+    ids = random_ids(11, ck.vocab_size, seed=5, batch=2)
+    with torch.no_grad():
+        ref = ck.ours(ids)
+        cache = InterfaceOnly(ck.ours.new_cache(2))
+        got = torch.cat([ck.ours(ids[:, :6], cache), ck.ours(ids[:, 6:9], cache), ck.ours(ids[:, 9:10], cache),
+                         ck.ours(ids[:, 10:], cache)], 1)
+    assert (got - ref).abs().max() <= TOL
+    assert cache.calls["begin"] == 4 and cache.calls["layer"] == 4 * len(ck.ours.config.hybrid_override_pattern)

@@ -1,9 +1,11 @@
-"""The fault cases of shared/cases.md (1 to 11), one named test each, against independent oracles.
+"""The fault cases of docs/cases.md (1 to 11), one named test each, against independent oracles.
 
 Oracles: the naive float64 Mamba-2 mixer of helpers.py (sequential per-head loop, written from
-shared/semantics.md), float64 hand computations of the router and the experts, the same prompt run
+docs/semantics.md), float64 hand computations of the router and the experts, the same prompt run
 alone, one pass over the whole sequence, and transformers' `NemotronHForCausalLM` for loading.
-Cases 12 and 13 (quantized formats) do not apply yet: quantized checkpoints are refused.
+Cases 12 and 13 (quantized formats) are tested with the quantized checkpoints: case 12 in
+tests/test_quant_checkpoints.py (every expert keeps its own scale), case 13 in tests/test_quant_oracles.py
+(the NVFP4 global scale as ModelOpt's multiplier and compressed-tensors' divisor).
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ def test_unreadable_json_names_the_file(tmp_path):
 
 
 def test_nano_accounting_matches_published_numbers():
-    """shared/semantics.md: 31,577,940,288 stored values; ~3.2B active (3.6B with embeddings);
+    """docs/semantics.md: 31,577,940,288 stored values; ~3.2B active (3.6B with embeddings);
     KV 6 layers * 2 * 2 heads * 128 * 2 bytes = 6,144 bytes per token; Mamba state
     23 * (64*64*128*4 + 6144*3*2) bytes per sequence."""
     r = describe(HybridConfig.from_dict(nano_dict()), torch.bfloat16)

@@ -105,6 +105,26 @@ def test_sampling_frequencies_follow_softmax():
     assert torch.allclose(counts, expected, atol=0.03)  # 4000 draws: std <= 0.008
 
 
+def test_per_row_sampling_params_equal_each_row_alone(loaded):
+    """Each row of a batch with its own temperature, filters and seed gives exactly the tokens it gives alone
+    with the same parameters (its own generator), whatever the other rows do; a greedy row is the greedy
+    reference."""
+    model, tok = loaded
+    prompts = [tok.encode(t) for t in ("hello", "The grass is green.", "a", "The pass key is")]
+    params = lambda: [SamplingParams(temperature=1.0, seed=1), SamplingParams(), SamplingParams(temperature=0.7,  # noqa: E731
+                      top_k=5, seed=2), SamplingParams(temperature=1.3, top_p=0.8, seed=3)]
+    together = generate_ids(model, prompts, max_new_tokens=12, sampling=params())
+    for row, (p, c) in enumerate(zip(prompts, together)):
+        (alone,) = generate_ids(model, [p], max_new_tokens=12, sampling=params()[row])
+        assert c.token_ids == alone.token_ids, row
+    assert together[1].token_ids == greedy_reference(model, prompts[1], 12)
+    draws = [sample(torch.zeros(2, 50), [SamplingParams(temperature=1.0, seed=s), SamplingParams(temperature=1.0, seed=s)])
+             for s in range(4)]
+    assert all(int(d[0]) == int(d[1]) for d in draws)  # same seed, same row draw
+    with pytest.raises(ValueError, match="2 sampling parameter sets for 3 rows"):
+        sample(torch.zeros(3, 5), [SamplingParams(), SamplingParams()])
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=1.5), "top_p")])
 def test_bad_sampling_arguments(kwargs, message):

@@ -138,7 +138,7 @@ def test_saved_checkpoint_reads_back_in_transformers_and_ours(checkpoint, tmp_pa
     tf_back = NemotronHForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     if ck.tf.config.tie_word_embeddings:
         # transformers 5.24 never ties: with no lm_head.weight in the files its head would be random
-        # (cases.md case 11 is a transformers fault). Give it the embeddings to compare the rest.
+        # (docs/cases.md case 11 is a transformers fault). Give it the embeddings to compare the rest.
         with torch.no_grad():
             tf_back.lm_head.weight.copy_(tf_back.model.embeddings.weight)
     assert (tf_logits(tf_back, ids) - ref).abs().max() <= 1e-4

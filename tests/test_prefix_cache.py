@@ -6,6 +6,8 @@ import torch
 
 from hybrid.generate import generate_ids
 from hybrid.prefix_cache import PrefixCache
+from helpers import InterfaceOnly
+from hybrid.cache import HybridCache
 from tiny_checkpoint import random_model
 
 BLOCK = 8  # TINY has conv_kernel 4 and chunk_size 8
@@ -110,3 +112,28 @@ def test_save_and_load(model, tmp_path):
         other.load(tmp_path / "prefix.safetensors")
     with pytest.raises(ValueError, match="block_size"):
         PrefixCache(model, block_size=4).load(tmp_path / "prefix.safetensors")
+
+
+def test_the_prefix_cache_uses_only_the_cache_interface(model, monkeypatch):
+    """With every cache of the model offering nothing but the `Cache` interface, a hit still gives the logits
+    and greedy tokens of a cold run: snapshots and restores go through `snapshot_kv`, `snapshot_mamba`,
+    `restore` alone."""
+    caches = []
+
+    def new_cache(batch_size, capacity=0):
+        caches.append(InterfaceOnly(HybridCache(model.config, batch_size, model.dtype, model.device, capacity)))
+        return caches[-1]
+
+    monkeypatch.setattr(model, "new_cache", new_cache)
+    prefix = ids(20, 11)
+    first, second = prefix + ids(5, 12), prefix + ids(4, 13)
+    cache = PrefixCache(model, block_size=BLOCK)
+    cache.prefill(first)
+    state, logits = cache.prefill(second)
+    assert cache.hits == 1 and cache.reused_tokens == 2 * BLOCK
+    assert torch.allclose(logits[0], cold_logits(model, second), atol=1e-5)
+    assert caches[0].calls["snapshot_kv"] == 3 and caches[1].calls["restore"] == 1
+    (hit,) = generate_ids(model, [second], max_new_tokens=8, prefix_cache=cache)
+    monkeypatch.undo()
+    (plain,) = generate_ids(model, [second], max_new_tokens=8)
+    assert hit.token_ids == plain.token_ids

@@ -107,7 +107,7 @@ def test_modelopt_export_dequantizes_exactly_like_modelopt(modelopt_exports, fmt
             ours = modules[name].dequantize(torch.float32)
             assert modules[name].input_scale == tensors[f"{name}.input_scale"]
         assert torch.equal(ours, theirs), name
-    # shared/cases.md 12: every expert keeps its own scale (nothing fused under one scale)
+    # docs/cases.md 12: every expert keeps its own scale (nothing fused under one scale)
     assert len(scales) == 8
 
 

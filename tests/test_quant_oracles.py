@@ -101,7 +101,7 @@ def test_nvfp4_equals_compressed_tensors_with_its_divisor(shape):
 
 
 def test_case13_global_scale_conventions_give_the_same_weight():
-    """shared/cases.md 13: the same codes and block scales with ModelOpt's multiplier s2 and compressed-tensors'
+    """docs/cases.md 13: the same codes and block scales with ModelOpt's multiplier s2 and compressed-tensors'
     divisor 1/s2 dequantize to the same tensor; using one as the other is off by s2^2."""
     w = _weights((16, 64), seed=13)
     packed, scale, s2 = nvfp4.quantize_nvfp4(w, global_scale=torch.tensor(2.0**-12))  # 1/s2 exact
