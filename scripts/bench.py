@@ -144,7 +144,9 @@ def worker_ours(args) -> dict:
 def worker_transformers(args) -> dict:
     from transformers import NemotronHForCausalLM
 
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    from hybrid.dtypes import torch_dtype
+
+    dtype = torch_dtype(args.dtype)
     start = time.perf_counter()
     model = NemotronHForCausalLM.from_pretrained(args.dir, dtype=dtype).eval()
     result = {"engine": "transformers", "load_s": time.perf_counter() - start, "prefill": {}, "decode": {}}
@@ -322,11 +324,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from hybrid.accounting import describe
     from hybrid.config import HybridConfig
+    from hybrid.dtypes import torch_dtype
 
     config = HybridConfig.from_file(directory / "config.json")
-    item = {"bf16": 2, "fp32": 4}[args.dtype]
-    active_bytes = describe(config, torch.bfloat16 if args.dtype == "bf16" else torch.float32)[
-        "active_parameters_per_token"] * item
+    dtype = torch_dtype(args.dtype)
+    active_bytes = describe(config, dtype)["active_parameters_per_token"] * dtype.itemsize
     samples = bandwidth_samples()
 
     engines = {"ours": run_worker("ours", args, directory)}

@@ -27,6 +27,7 @@ import torch
 from hybrid.cache import KVCache
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.config import HybridConfig
+from hybrid.dtypes import torch_dtype
 from hybrid.generate import generate_ids
 from hybrid.loading import build_model, load
 from hybrid.prefix_cache import PrefixCache
@@ -39,7 +40,7 @@ def build(args):
         config = HybridConfig.from_file(args.config)
         model = build_model(config, torch.float32, device="cpu")
         init_weights(model, seed=0)
-        return model.cast(getattr(torch, args.dtype)).eval(), Path(args.config).name
+        return model.cast(torch_dtype(args.dtype)).eval(), Path(args.config).name
     model, _ = load(args.checkpoint or DEFAULT_CHECKPOINT, dtype=args.dtype)
     return model.eval(), str(args.checkpoint or DEFAULT_CHECKPOINT.name)
 

@@ -30,6 +30,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from tqdm import tqdm
 
 from hybrid.config import HybridConfig
+from hybrid.dtypes import torch_dtype
 from hybrid.eval.tasks import fit_to_length
 from hybrid.loading import build_model
 from hybrid.saving import save_checkpoint
@@ -291,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                "final": final}
     print(json.dumps(summary, indent=1), file=sys.stderr)
 
-    save_model = model.cast(getattr(torch, args.save_dtype))
+    save_model = model.cast(torch_dtype(args.save_dtype))
     save_checkpoint(save_model, out)
     write_tokenizer_files(tok, out)
     (out / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}) + "\n")

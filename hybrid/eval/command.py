@@ -20,6 +20,7 @@ import re
 import sys
 from pathlib import Path
 
+from hybrid.dtypes import dtype_name
 from hybrid.eval.registry import GROUPS, TASKS
 from hybrid.eval.report import RECORDS_FILE, write_report
 from hybrid.eval.runner import DEFAULT_DEPTHS, Plan, evaluate
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer = hybrid.load(path, dtype=args.dtype, device=args.device, **load_options)
         except (hybrid.CheckpointError, hybrid.ConfigError, ValueError) as e:
             parser.exit(1, f"eval_recall: error loading {path}: {e}\n")
-        extra = {"checkpoint": str(path), "dtype": str(model.dtype).removeprefix("torch."), **load_options}
+        extra = {"checkpoint": str(path), "dtype": dtype_name(model.dtype), **load_options}
         evaluate(model, tokenizer, plan, out / RECORDS_FILE, label, extra, progress=not args.no_progress,
                  on_too_short=args.on_too_short)
         del model
