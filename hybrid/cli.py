@@ -217,16 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybrid", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"hybrid {v}")
     sub = parser.add_subparsers(dest="command", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
 
-    g = sub.add_parser("generate", help="generate text from a checkpoint (streams to stdout)", formatter_class=fmt)
+    g = sub.add_parser("generate", help="generate text from a checkpoint (streams to stdout)")
     g.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub repo id (default: shipped checkpoint)")
     g.add_argument("--prompt", required=True, help="prompt text, or '-' to read it from stdin (one final newline dropped)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--enable-thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="passed to the chat template (Nemotron 3 reasoning switch)")
-    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128, help="at most this many tokens (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
     g.add_argument("--top-k", type=_positive_int, default=None, help="sample from the k most likely tokens")
     g.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with probability >= p")
     g.add_argument("--seed", type=int, default=None, help="seed of the sampler")
@@ -235,26 +234,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")
     g.add_argument("--speculative", type=_non_negative_int, default=0, metavar="N",
-                   help="draft N tokens per step with the checkpoint's MTP block and verify them (same output); 0: off")
+                   help="draft N tokens per step with the checkpoint's MTP block and verify them (same output); "
+                        "0 (the default): off")
     g.add_argument("--prefix-cache", default=None, metavar="FILE",
                    help="safetensors file of cached prefix states: reused when it matches the model, then updated")
     g.add_argument("--prefix-block-size", type=_positive_int, default=256,
-                   help="tokens per prefix-cache block (a snapshot per block)")
+                   help="tokens per prefix-cache block (a snapshot per block; default: %(default)s)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=_generate)
 
-    i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json",
-                       formatter_class=fmt)
+    i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json")
     i.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory, config.json file, or hub repo id (default: shipped checkpoint)")
     i.add_argument("--dtype", choices=dtypes, default=None, help="default: the config's dtype")
     i.add_argument("--format", choices=formats, default=None,
                    help="report the sizes after `hybrid quantize --format F` with the default exclusions")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=_info)
 
-    q = sub.add_parser("quantize", help="quantize a checkpoint to FP8 / NVFP4 / MXFP4 (ModelOpt layout)",
-                       formatter_class=fmt)
+    q = sub.add_parser("quantize", help="quantize a checkpoint to FP8 / NVFP4 / MXFP4 (ModelOpt layout)")
     q.add_argument("src", help="float checkpoint directory or hub repo id")
     q.add_argument("dst", help="output directory")
     q.add_argument("--format", required=True, choices=formats)
@@ -263,13 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "list (lm_head, embeddings, attention, the Mamba layer feeding each attention layer, conv1d, "
                         "routers, MTP); `--exclude` alone quantizes every Linear")
     q.add_argument("--calibration-samples", type=int, default=16,
-                   help="token windows for the static input scales (fp8, nvfp4); 0: scales of 1.0")
-    q.add_argument("--calibration-length", type=_positive_int, default=256, help="tokens per calibration window")
+                   help="token windows for the static input scales (fp8, nvfp4; default: %(default)s); 0: scales of 1.0")
+    q.add_argument("--calibration-length", type=_positive_int, default=256,
+                   help="tokens per calibration window (default: %(default)s)")
     q.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: built-in text)")
     q.add_argument("--dtype", choices=dtypes, default=None,
                    help="dtype of the unquantized tensors (default: the checkpoint's)")
-    q.add_argument("--max-shard-bytes", type=_positive_int, default=None, help="split the weights into shards")
-    q.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    q.add_argument("--max-shard-bytes", type=_positive_int, default=None, help="split the weights into shards (default: one file)")
+    q.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     q.set_defaults(func=_quantize)
     return parser
 

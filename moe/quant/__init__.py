@@ -14,6 +14,7 @@
 Modules are addressed by their dotted names only.
 """
 
+from moe.quant import formats
 from moe.quant.codec import Codec, Layout, QuantFormat
 from moe.quant.linear import QuantLinear
 from moe.quant.packed import PackedWeight
@@ -21,4 +22,4 @@ from moe.quant.prepacked import Prepacked, PrepackedLinear
 from moe.quant.swap import swap_modules
 
 __all__ = ["Codec", "Layout", "PackedWeight", "Prepacked", "PrepackedLinear", "QuantFormat", "QuantLinear",
-           "swap_modules"]
+           "formats", "swap_modules"]

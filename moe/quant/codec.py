@@ -53,7 +53,9 @@ class Layout:
 
 class Codec:
     """The numbers of one weight format. Subclasses set `name` (and `group` for block formats) and implement
-    `specs`, `quantize` and `dequantize`; the rest has defaults.
+    `specs`, `quantize` and `dequantize` (enough to load and run a checkpoint in the format) and
+    `weight_args` (to write one: `hybrid quantize`); `label`, `roles` and `check_shape` have defaults;
+    `input_scale` and `fake_quantize` only formats with static input scales or activation emulation need.
 
     All methods take the `Layout` the tensors are stored in; tensors are passed by role
     (`{"data": ..., "scale": ...}`) and may carry leading (expert) dimensions.
@@ -101,8 +103,10 @@ class Codec:
     # ------------------------------------------------------------------------------------ configs
     def weight_args(self, layout: Layout) -> dict:
         """The `weights` quantization arguments describing this format in a config.json `config_groups` entry
-        (the compressed-tensors vocabulary ModelOpt writes too)."""
-        raise NotImplementedError
+        (the compressed-tensors vocabulary ModelOpt writes too), e.g. `{"dynamic": False, "num_bits": 8,
+        "type": "float", "strategy": "channel"}`."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how to describe it in a config "
+                                  "(implement weight_args to write checkpoints in this format)")
 
 
 @dataclass(frozen=True)
