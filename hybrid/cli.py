@@ -146,19 +146,20 @@ def _info(args) -> int:
 
 
 def _quantize(args) -> int:
-    import shutil
-
     import torch
 
     from hybrid.calibration import calibration_batches
     from hybrid.checkpoint_files import resolve_checkpoint
+    from hybrid.checkpoint_writer import check_destination
     from hybrid.loading import load
     from hybrid.quantize import has_static_inputs, quantize_model
     from hybrid.saving import save_checkpoint
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(args.src, dtype=args.dtype, prepack=False)
+    src, dst = resolve_checkpoint(args.src), Path(args.dst)
+    check_destination(dst, src, args.overwrite)  # before any work
+    model, tokenizer = load(src, dtype=args.dtype, prepack=False)
     if model.quantization is not None:
         print(f"error: {args.src} is already quantized ({model.quantization.source})", file=sys.stderr)
         return 2
@@ -167,12 +168,7 @@ def _quantize(args) -> int:
         texts = [Path(args.calibration_file).read_text()] if args.calibration_file else None
         batches = calibration_batches(tokenizer, args.calibration_samples, args.calibration_length, texts)
     quantize_model(model, args.format, exclude=args.exclude, calibration=batches)
-    dst = Path(args.dst)
-    save_checkpoint(model, dst, max_shard_bytes=args.max_shard_bytes)
-    src = resolve_checkpoint(args.src)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (src / name).exists():
-            shutil.copy2(src / name, dst / name)
+    save_checkpoint(model, dst, max_shard_bytes=args.max_shard_bytes, source=src, overwrite=args.overwrite)
     print(f"wrote {dst} ({args.format}, {len(model.quantization.exclude)} exclusion patterns, "
           f"{len(batches or [])} calibration samples)", file=sys.stderr)
     return 0
@@ -268,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=dtypes, default=None,
                    help="dtype of the unquantized tensors (default: the checkpoint's)")
     q.add_argument("--max-shard-bytes", type=_positive_int, default=None, help="split the weights into shards (default: one file)")
+    q.add_argument("--overwrite", action="store_true", help="replace DST if it exists and is not empty")
     q.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     q.set_defaults(func=_quantize)
     return parser

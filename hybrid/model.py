@@ -168,7 +168,7 @@ class HybridForCausalLM(nn.Module):
         tensors as read), or on first use from the current tensors for a model built in memory; in-place edits
         of the weights after that are not seen (call `reset_identity`)."""
         if self._weights_digest is None:
-            self._weights_digest = fingerprint.weights_digest(self._named_dense_tensors())
+            self._weights_digest = fingerprint.weights_digest(self.named_tensors())
         config = dataclasses.replace(self.config, quantization_config=None).to_dict()  # the quantization: below
         quant = None if self.quantization is None else self.quantization.files
         return fingerprint.identity(config, self.dtype, quant, self.act_quant, self._weights_digest)
@@ -177,9 +177,9 @@ class HybridForCausalLM(nn.Module):
         """Forget the weights' digest (after the weights changed in place); the next `identity` retakes it."""
         self._weights_digest = None
 
-    def _named_dense_tensors(self):
-        """The state dict's (name, tensor) pairs one module at a time (a prepacked module's dense copies one
-        tensor at a time, never all at once)."""
+    def named_tensors(self):
+        """The state dict's (name, tensor) pairs, in its order, one module at a time (a prepacked module's
+        dense copies one tensor at a time, never all at once)."""
         for mname, module in self.named_modules():
             prefix = f"{mname}." if mname else ""
             if isinstance(module, Prepacked):

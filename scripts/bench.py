@@ -78,7 +78,6 @@ def make_checkpoint(preset: str, workdir: Path) -> Path:
     config = HybridConfig.from_file(source) if isinstance(source, Path) else HybridConfig.from_dict(source)
     model = build_model(config, torch.float32, device="cpu")
     init_weights(model, seed=0)
-    out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model.cast(torch.bfloat16), out)
     for name in TOKENIZER_FILES:
         shutil.copy(ROOT / "checkpoints" / "hybrid-mini" / name, out / name)

@@ -29,6 +29,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from tqdm import tqdm
 
+from hybrid.checkpoint_writer import check_destination
 from hybrid.config import HybridConfig
 from hybrid.dtypes import torch_dtype
 from hybrid.eval.tasks import fit_to_length
@@ -198,6 +199,7 @@ def validation_loss(model, val: TrainingData, batches: list[torch.Tensor]) -> fl
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists and is not empty")
     p.add_argument("--preset", default="hybrid-mini", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=None, help="number of optimiser steps (schedule over steps)")
     p.add_argument("--time-budget", type=float, default=None, help="minutes of training (schedule over time)")
@@ -222,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
+    check_destination(out, None, args.overwrite)  # before the run, not after it
 
     t0 = time.time()
     docs = prose_documents()
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1), file=sys.stderr)
 
     save_model = model.cast(torch_dtype(args.save_dtype))
-    save_checkpoint(save_model, out)
+    save_checkpoint(save_model, out, overwrite=args.overwrite)
     write_tokenizer_files(tok, out)
     (out / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}) + "\n")
     return 0

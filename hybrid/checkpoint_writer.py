@@ -1,0 +1,207 @@
+"""The one way a checkpoint directory is written (`save_checkpoint`, `hybrid quantize`, the bench builders).
+
+Rules, each tested (tests/test_checkpoint_writer.py):
+- The destination is never the source, inside it, or around it (paths resolved, symlinks followed).
+- A destination that exists and is not empty is refused unless `overwrite`.
+- Everything is written into a temporary directory beside the destination and renamed into place at the
+  end, so an interrupted or failed write leaves the old destination as it was and no partial file under a
+  final name. With `overwrite`, the old destination is moved aside first and deleted only after the rename.
+- Files get the user's umask (safetensors alone would leave its files 0600).
+- Everything of the source that is not weights (generation_config.json with its sampling defaults and
+  stop ids, tokenizer files, the chat template, special tokens map, the model card) is copied unless the
+  caller writes that file itself; `WriteReport` says what was written, copied and left out.
+- Weights are added tensor by tensor; a shard (safetensors, via the `safetensors` library) is written as
+  soon as the next tensor would take it past `max_shard_bytes`, so a writer holds at most one shard's
+  tensors. With `max_shard_bytes`, shards are `model-0000i-of-0000n.safetensors` plus
+  `model.safetensors.index.json` (`{"metadata": {"total_size"}, "weight_map"}`); without, one
+  `model.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from hybrid.checkpoint_files import INDEX_NAME, SINGLE_NAME
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
+NOT_COPIED = {INDEX_NAME, "hf_quant_config.json"}  # describe the source's weights, not the new ones
+
+
+class WriteError(ValueError):
+    """A destination that cannot be written as asked (names the path and why)."""
+
+
+@dataclass
+class WriteReport:
+    """What a finished write did: files written by the caller, weight shards, files copied from the source,
+    source files left out (weights and their index), and the weight bytes."""
+
+    destination: Path
+    written: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)
+    weight_bytes: int = 0
+
+
+def check_destination(destination: Path, source: Path | None, overwrite: bool) -> None:
+    """Raise WriteError when `destination` may not be written (see the module docstring)."""
+    dst = destination.expanduser().resolve()
+    if dst.exists() and not dst.is_dir():
+        raise WriteError(f"{destination} exists and is not a directory")
+    if source is not None:
+        src = Path(source).expanduser().resolve()
+        if dst == src:
+            raise WriteError(f"{destination} is the source checkpoint {source}: write to another directory")
+        if src in dst.parents:
+            raise WriteError(f"{destination} lies inside the source checkpoint {source}: write to another directory")
+        if dst in src.parents:
+            raise WriteError(f"{destination} contains the source checkpoint {source}: write to another directory")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise WriteError(f"{destination} exists and is not empty: choose another directory, or overwrite it "
+                         "(--overwrite; overwrite=True)")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class CheckpointWriter:
+    """Write a checkpoint directory safely (see the module docstring).
+
+        with CheckpointWriter(dst, source=src, max_shard_bytes=512 * 2**20) as writer:
+            writer.write_json("config.json", config.to_dict())
+            for name, tensor in tensors:
+                writer.add(name, tensor)            # contiguous CPU tensors
+        writer.report                               # after the block: what was written and copied
+
+    Leaving the block normally commits (renames the temporary directory into place); an exception
+    discards the temporary directory and leaves the destination untouched.
+    Raises:
+        WriteError: the destination is the source, inside it or around it, or exists and is not empty
+            (without `overwrite`).
+    """
+
+    def __init__(self, destination: str | Path, source: str | Path | None = None, overwrite: bool = False,
+                 max_shard_bytes: int | None = None):
+        self.destination = Path(destination).expanduser()
+        self.source = None if source is None else Path(source).expanduser()
+        check_destination(self.destination, self.source, overwrite)
+        if max_shard_bytes is not None and max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+        self.max_shard_bytes = max_shard_bytes
+        self.overwrite = overwrite
+        parent = self.destination.resolve().parent
+        parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.destination.name}.", suffix=".partial", dir=parent))
+        self.report = WriteReport(self.destination)
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []  # tensor names per written shard
+        self._names: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------ content
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Add one weight tensor (written with the current shard; a full shard is written first).
+
+        Raises:
+            ValueError: the name was added before.
+        """
+        if name in self._names:
+            raise ValueError(f"tensor {name!r} was added twice")
+        self._names.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.max_shard_bytes is not None and self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.detach().cpu().contiguous()
+        self._pending_bytes += nbytes
+        self.report.weight_bytes += nbytes
+
+    def write_json(self, filename: str, content) -> None:
+        """Write a JSON file of the checkpoint (config.json, generation_config.json, hf_quant_config.json)."""
+        self.write_text(filename, json.dumps(content, indent=2, sort_keys=filename == "config.json") + "\n")
+
+    def write_text(self, filename: str, text: str) -> None:
+        (self.tmp / filename).write_text(text)
+        self.report.written.append(filename)
+
+    def _flush(self) -> None:
+        if not self._pending and self._shards:
+            return
+        save_file(self._pending, self.tmp / f"shard-{len(self._shards)}.safetensors", metadata={"format": "pt"})
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    # ------------------------------------------------------------------------------------------ commit
+    def commit(self) -> WriteReport:
+        """Write the last shard, the index, the copied files; rename the result into place."""
+        self._flush()
+        n = len(self._shards)
+        if self.max_shard_bytes is None:
+            (self.tmp / "shard-0.safetensors").rename(self.tmp / SINGLE_NAME)
+            self.report.shards = [SINGLE_NAME]
+        else:
+            weight_map = {}
+            for i, names in enumerate(self._shards):
+                final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                (self.tmp / f"shard-{i}.safetensors").rename(self.tmp / final)
+                weight_map.update({name: final for name in names})
+                self.report.shards.append(final)
+            index = {"metadata": {"total_size": self.report.weight_bytes}, "weight_map": weight_map}
+            (self.tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        self._copy_source_files()
+        mask = _umask()
+        for f in self.tmp.iterdir():
+            f.chmod(0o666 & ~mask)
+        self.tmp.chmod(0o777 & ~mask)
+        self._move_into_place()
+        return self.report
+
+    def _copy_source_files(self) -> None:
+        if self.source is None:
+            return
+        for f in sorted(self.source.iterdir()):
+            if not f.is_file() or f.name.startswith("."):
+                continue
+            if f.name.endswith(WEIGHT_SUFFIXES) or f.name in NOT_COPIED:
+                self.report.left_out.append(f.name)
+            elif f.name not in self.report.written:
+                shutil.copyfile(f, self.tmp / f.name)
+                self.report.copied.append(f.name)
+
+    def _move_into_place(self) -> None:
+        dst = self.destination
+        old = None
+        if dst.exists() and any(dst.iterdir()):  # overwrite (checked at the start): keep it until the rename
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.resolve().parent))
+            os.replace(dst, old / dst.name)
+        os.replace(self.tmp, dst)
+        if old is not None:
+            shutil.rmtree(old)
+
+    def abort(self) -> None:
+        """Discard everything written so far; the destination is untouched."""
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "CheckpointWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()

@@ -1,0 +1,138 @@
+"""The checkpoint writer's rules: never onto, into or around the source; never over a non-empty directory
+unless asked; nothing half-written under a final name; the user's umask; the source's other files copied.
+
+Oracles: the source's bytes before and after, the `safetensors` library reading what was written, the file
+modes the umask implies, and `hybrid.load_model` of the result against the model it was written from."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import hybrid
+from hybrid.checkpoint_writer import CheckpointWriter, WriteError
+from tiny_checkpoint import write_checkpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def source(tmp_path):
+    src = write_checkpoint(tmp_path / "src", pattern="ME*E", seed=1)
+    (src / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4], "temperature": 0.6,
+                                                            "top_p": 0.95, "do_sample": True}))
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    (src / "README.md").write_text("# model card\n")
+    return src
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def hidden(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+@pytest.mark.parametrize("where", ["same", "symlink", "inside", "around"])
+def test_the_source_is_never_the_destination(source, tmp_path, where):
+    before = snapshot(source)
+    if where == "symlink":
+        (tmp_path / "link").symlink_to(source)
+    dst = {"same": source, "symlink": tmp_path / "link", "inside": source / "quantized", "around": tmp_path}[where]
+    message = {"same": "is the source", "symlink": "is the source", "inside": "lies inside the source",
+               "around": "contains the source"}[where]
+    with pytest.raises(WriteError, match=message):
+        hybrid.save_checkpoint(hybrid.load_model(source), dst, source=source, overwrite=True)
+    r = cli("quantize", str(source), str(dst), "--format", "fp8", "--overwrite")
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert snapshot(source) == before and not (source / "quantized").exists()
+
+
+def test_a_non_empty_destination_needs_overwrite(source, tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    model = hybrid.load_model(source)
+    with pytest.raises(WriteError, match="exists and is not empty"):
+        hybrid.save_checkpoint(model, dst)
+    assert snapshot(dst) == {"keep.txt": b"mine"}
+    r = cli("quantize", str(source), str(dst), "--format", "mxfp4")
+    assert r.returncode == 2 and "--overwrite" in r.stderr
+    hybrid.save_checkpoint(model, dst, overwrite=True)
+    assert "keep.txt" not in snapshot(dst) and (dst / "model.safetensors").exists()
+    assert hidden(tmp_path) == []  # no temporary or old directory left beside it
+
+
+def test_an_interrupted_write_leaves_the_destination_as_it_was(source, tmp_path):
+    dst = tmp_path / "dst"
+    hybrid.save_checkpoint(hybrid.load_model(source), dst)
+    before = snapshot(dst)
+    other = write_checkpoint(tmp_path / "other", pattern="ME*E", seed=2)
+    tensors = hybrid.load_model(other).state_dict()
+    with pytest.raises(KeyboardInterrupt):
+        with CheckpointWriter(dst, overwrite=True, max_shard_bytes=4096) as writer:
+            for name, t in tensors.items():
+                writer.add(name, t)
+                if len(list(writer.tmp.glob("shard-*"))) >= 2:
+                    raise KeyboardInterrupt  # after its first shards are on disk
+    assert snapshot(dst) == before and hidden(tmp_path) == []
+
+
+def test_modes_follow_the_umask(source, tmp_path):
+    model = hybrid.load_model(source)
+    for mask, file_mode, dir_mode in ((0o022, 0o644, 0o755), (0o077, 0o600, 0o700)):
+        old = os.umask(mask)
+        try:
+            dst = hybrid.save_checkpoint(model, tmp_path / f"m{mask:o}", max_shard_bytes=20_000, source=source)
+        finally:
+            os.umask(old)
+        assert (dst.stat().st_mode & 0o777) == dir_mode
+        assert {p.stat().st_mode & 0o777 for p in dst.iterdir()} == {file_mode}
+
+
+def test_the_source_files_are_copied_and_the_weights_sharded(source, tmp_path):
+    model = hybrid.load_model(source)
+    with CheckpointWriter(tmp_path / "dst", source=source, max_shard_bytes=30_000) as writer:
+        writer.write_json("config.json", model.config.to_dict())
+        for name, t in model.state_dict().items():
+            writer.add(name, t)
+    report, dst = writer.report, tmp_path / "dst"
+    assert report.copied == sorted(["README.md", "chat_template.jinja", "generation_config.json",
+                                    "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"])
+    assert report.left_out == ["model.safetensors"] and report.written == ["config.json"]
+    assert json.loads((dst / "generation_config.json").read_text())["top_p"] == 0.95  # sampling defaults kept
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == report.shards and len(report.shards) > 2
+    state = model.state_dict()
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in state.values())
+    seen = {}
+    for shard in report.shards:  # the safetensors library reads back exactly what was added
+        with safe_open(dst / shard, "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        seen.update(tensors)
+        shard_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        assert shard_bytes <= 30_000 or len(tensors) == 1  # a tensor larger than a shard gets one of its own
+    assert seen.keys() == state.keys() and all(torch.equal(seen[k], state[k]) for k in state)
+
+
+def test_save_checkpoint_keeps_the_source_generation_config_and_loads_back(source, tmp_path):
+    model = hybrid.load_model(source)
+    dst = hybrid.save_checkpoint(model, tmp_path / "copy", source=source)
+    assert json.loads((dst / "generation_config.json").read_text()) == json.loads(
+        (source / "generation_config.json").read_text())
+    ids = torch.randint(5, 300, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hybrid.load_model(dst)(ids), model(ids))
+    assert hybrid.load_model(dst).identity == model.identity
