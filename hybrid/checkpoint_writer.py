@@ -131,6 +131,12 @@ class CheckpointWriter:
         """Write a JSON file of the checkpoint (config.json, generation_config.json, hf_quant_config.json)."""
         self.write_text(filename, json.dumps(content, indent=2, sort_keys=filename == "config.json") + "\n")
 
+    def copy(self, path: str | Path) -> None:
+        """Copy one file (a tokenizer file, ...) into the checkpoint under its own name."""
+        path = Path(path)
+        shutil.copyfile(path, self.tmp / path.name)
+        self.report.copied.append(path.name)
+
     def write_text(self, filename: str, text: str) -> None:
         (self.tmp / filename).write_text(text)
         self.report.written.append(filename)

@@ -151,26 +151,22 @@ def _quantize(args) -> int:
     from hybrid.calibration import calibration_batches
     from hybrid.checkpoint_files import resolve_checkpoint
     from hybrid.checkpoint_writer import check_destination
-    from hybrid.loading import load
-    from hybrid.quantize import has_static_inputs, quantize_model
-    from hybrid.saving import save_checkpoint
+    from hybrid.quantize import has_static_inputs, quantize_checkpoint
+    from hybrid.tokenizer import Tokenizer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     src, dst = resolve_checkpoint(args.src), Path(args.dst)
     check_destination(dst, src, args.overwrite)  # before any work
-    model, tokenizer = load(src, dtype=args.dtype, prepack=False)
-    if model.quantization is not None:
-        print(f"error: {args.src} is already quantized ({model.quantization.source})", file=sys.stderr)
-        return 2
     batches = None
     if has_static_inputs(args.format) and args.calibration_samples:
         texts = [Path(args.calibration_file).read_text()] if args.calibration_file else None
-        batches = calibration_batches(tokenizer, args.calibration_samples, args.calibration_length, texts)
-    quantize_model(model, args.format, exclude=args.exclude, calibration=batches)
-    save_checkpoint(model, dst, max_shard_bytes=args.max_shard_bytes, source=src, overwrite=args.overwrite)
-    print(f"wrote {dst} ({args.format}, {len(model.quantization.exclude)} exclusion patterns, "
-          f"{len(batches or [])} calibration samples)", file=sys.stderr)
+        batches = calibration_batches(Tokenizer.from_dir(src), args.calibration_samples, args.calibration_length, texts)
+    report = quantize_checkpoint(src, dst, args.format, exclude=args.exclude, calibration=batches, dtype=args.dtype,
+                                 max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite, progress=True)
+    print(f"wrote {dst} ({args.format}, {len(report.shards)} shard(s), {report.weight_bytes / 2**30:.2f} GiB of "
+          f"weights, {len(batches or [])} calibration samples); written: {', '.join(report.written)}; copied from "
+          f"the source: {', '.join(report.copied) or 'nothing'}", file=sys.stderr)
     return 0
 
 
@@ -263,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calibration-file", default=None, help="text file to calibrate on (default: built-in text)")
     q.add_argument("--dtype", choices=dtypes, default=None,
                    help="dtype of the unquantized tensors (default: the checkpoint's)")
-    q.add_argument("--max-shard-bytes", type=_positive_int, default=None, help="split the weights into shards (default: one file)")
+    q.add_argument("--max-shard-bytes", type=_positive_int, default=512 * 2**20,
+                   help="largest weight shard in bytes (default: %(default)s, 512 MiB)")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists and is not empty")
     q.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     q.set_defaults(func=_quantize)

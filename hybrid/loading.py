@@ -111,29 +111,9 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
         CheckpointError: see the module docstring; the message names the tensor(s) and file(s).
     """
     config = model.config
-    packed = _packed_owner(model)
-    targets = model.state_dict(keep_vars=True)
     tied = config.tie_word_embeddings
-    used: set[str] = set()
-    missing: list[str] = []
-    loaded: dict[str, torch.Tensor] = {}
-
-    for name, target in targets.items():
-        if tied and name == "lm_head.weight":
-            continue
-        sources = _source_names(name, target, files)
-        if any(s not in files for s in sources):
-            missing.extend(s for s in sources if s not in files)
-            continue
-        out = torch.empty(target.shape, dtype=target.dtype, device=device)
-        owner = packed.get(name)
-        if len(sources) == 1:
-            _copy_checked(out, sources[0], files, name, owner, model)
-        else:
-            for j, s in enumerate(sources):
-                _copy_checked(out[j], s, files, name, owner, model)
-        used.update(sources)
-        loaded[name] = out
+    targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if not (tied and n == "lm_head.weight")}
+    loaded, used, missing = read_tensors(targets, files, device, model)
 
     if tied:
         loaded["lm_head.weight"] = loaded.get("backbone.embeddings.weight")
@@ -166,6 +146,50 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
     model.load_state_dict(loaded, strict=True, assign=True)  # also takes the identity's weights digest
     if tied:
         model.lm_head.weight = model.backbone.embeddings.weight
+
+
+def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, device: str | torch.device,
+                 model: HybridForCausalLM) -> tuple[dict[str, torch.Tensor], set[str], list[str]]:
+    """New tensors shaped and typed like `targets` ({model tensor name: tensor of `model`, usually on meta}),
+    each copied once from its file tensor(s) (per-expert tensors stacked), strictly checked.
+
+    Returns (the tensors by name, the file tensor names used, the file tensor names missing).
+    Raises:
+        CheckpointError: a file tensor whose shape or dtype the target does not declare (see `_copy_checked`).
+    """
+    packed = _packed_owner(model)
+    loaded, used, missing = {}, set(), []
+    for name, target in targets.items():
+        sources = _source_names(name, target, files)
+        if any(s not in files for s in sources):
+            missing.extend(s for s in sources if s not in files)
+            continue
+        out = torch.empty(target.shape, dtype=target.dtype, device=device)
+        owner = packed.get(name)
+        if len(sources) == 1:
+            _copy_checked(out, sources[0], files, name, owner, model)
+        else:
+            for j, s in enumerate(sources):
+                _copy_checked(out[j], s, files, name, owner, model)
+        used.update(sources)
+        loaded[name] = out
+    return loaded, used, missing
+
+
+def read_tensor(files: CheckpointFiles, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                model: HybridForCausalLM) -> torch.Tensor:
+    """File tensor `name` copied into a new float tensor of `shape` and `dtype`, strictly checked (the one-
+    tensor form of `read_tensors`, for code that reads a checkpoint piece by piece).
+
+    Raises:
+        CheckpointError: the tensor is missing, or its shape or dtype is not the declared one.
+    """
+    if name not in files:
+        raise CheckpointError(f"{files.directory}: tensor {name!r} the config (pattern "
+                              f"{model.config.hybrid_override_pattern!r}) needs is missing")
+    out = torch.empty(shape, dtype=dtype)
+    _copy_checked(out, name, files, name, None, model)
+    return out
 
 
 def _source_names(name: str, target: torch.Tensor, files: CheckpointFiles) -> list[str]:

@@ -1,7 +1,14 @@
 """Quantize a float model to FP8, NVFP4 or MXFP4 and write it in ModelOpt's checkpoint layout.
 
-    model = quantize_model(model, "nvfp4", exclude=None, calibration=[ids, ...])     # in place
+    quantize_checkpoint("src/", "out/", "nvfp4", calibration=[ids, ...])     # streamed: `hybrid quantize`
+    model = quantize_model(model, "nvfp4", exclude=None, calibration=[ids, ...])     # in memory, in place
     save_checkpoint(model, "out/")          # hf_quant_config.json + config.json `quantization_config`
+
+`quantize_checkpoint` never holds the model: calibration carries the calibration batches' hidden states
+through one layer at a time (the layer's weights read from the files, a bank's experts one at a time), then
+every tensor is read, quantized (an expert at a time) and written to shards of `max_shard_bytes`, so its
+memory does not grow with the model. It gives the checkpoint `quantize_model` + `save_checkpoint` give, bit
+for bit (tests/test_quantize_streaming.py).
 
 Formats (ModelOpt `quant_algo`): fp8 = FP8 (per-tensor E4M3 weight scale, static input scale), nvfp4 =
 NVFP4 (E2M1 in blocks of 16, E4M3 block scales, fp32 global scale, static input scale), mxfp4 = MXFP4
@@ -18,17 +25,23 @@ attention layer, every conv1d, the routers (`mixer.gate`), and the MTP block. `e
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from hybrid.cache import StepContext
+from hybrid.checkpoint_files import CheckpointError, CheckpointFiles, resolve_checkpoint
+from hybrid.checkpoint_writer import CheckpointWriter, WriteReport, check_destination
 from hybrid.config import ATTENTION, MAMBA, HybridConfig
+from hybrid.loading import build_model, parse_dtype, read_tensor, read_tensors
 from hybrid.model import HybridForCausalLM
-from hybrid.quantization import quantize_modules
+from hybrid.quantization import bank_format, quantize_modules, read_quant_config
+from hybrid.saving import write_config_files
 from moe.calibration import InputAmax
-from moe.experts import ExpertBank
+from moe.experts import DenseStack, ExpertBank, QuantExpertBank
 from moe.prepack import unpack
-from moe.quant import formats
+from moe.quant import PackedWeight, QuantLinear, formats
 from moe.quant.config import HF_QUANT_CONFIG, QuantConfig, modelopt_config_files
 
 
@@ -71,13 +84,21 @@ def has_static_inputs(fmt_name: str) -> bool:
     return formats.MODELOPT_ALGOS[formats.QUANTIZE_FORMATS[fmt_name]].layout.input_scale
 
 
+def _calibrated(name: str, module: nn.Module, qc: QuantConfig) -> bool:
+    """Whether calibration records the inputs of `module`: a Linear or an expert bank `qc` quantizes."""
+    if isinstance(module, nn.Linear):
+        return qc.format_for(name) is not None
+    if isinstance(module, ExpertBank):
+        return any(bank_format(qc, name, proj, module.n_experts) is not None for proj in ("up_proj", "down_proj"))
+    return False
+
+
 @torch.no_grad()
 def calibrate(model: nn.Module, qc: QuantConfig, batches: list[torch.Tensor]) -> InputAmax:
     """Run `batches` ([1, T] int64 each) through `model`, recording (by forward pre-hooks) the input amax of
-    every Linear `qc` quantizes and of every expert bank."""
+    every Linear and expert bank `qc` quantizes."""
     stats = InputAmax()
-    handles = [stats.attach(name, module) for name, module in model.named_modules()
-               if (isinstance(module, nn.Linear) and qc.format_for(name) is not None) or isinstance(module, ExpertBank)]
+    handles = [stats.attach(name, module) for name, module in model.named_modules() if _calibrated(name, module, qc)]
     try:
         for ids in batches:
             model(ids.to(model.device))
@@ -105,3 +126,187 @@ def quantize_model(model: HybridForCausalLM, fmt_name: str, exclude: list[str] |
     stats = calibrate(model, qc, calibration) if calibration else None
     quantize_modules(model, qc, quantize_weights=True, amax=stats)
     return model
+
+
+# ---------------------------------------------------------------------------------------------- streamed
+class _FileExpertBank(ExpertBank):
+    """An expert bank of a partly loaded model whose experts are read from the checkpoint files when used
+    (a copy in the model dtype, the file's pages released at once), so a calibration pass over it holds one
+    expert at a time."""
+
+    def __init__(self, files: CheckpointFiles, prefix: str, bank: ExpertBank, model: HybridForCausalLM):
+        nn.Module.__init__(self)  # no stacked parameters: the experts stay in the files
+        E, I, L = bank.up_proj.shape
+        dtype = bank.up_proj.dtype
+        self.experts = E
+        self.read = lambda e, proj, shape: _read_expert(files, prefix, e, proj, shape, dtype, model)  # not a submodule
+        self.shapes = {"up_proj": (I, L), "down_proj": (L, I)}
+
+    @property
+    def n_experts(self) -> int:
+        return self.experts
+
+    def weights_of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read(e, "up_proj", self.shapes["up_proj"]), self.read(e, "down_proj", self.shapes["down_proj"])
+
+
+def _read_expert(files: CheckpointFiles, bank: str, e: int, proj: str, shape, dtype, model) -> torch.Tensor:
+    """Expert e's float `proj` weight from the files (per-expert or already stacked), pages released."""
+    name = f"{bank}.{e}.{proj}.weight"
+    if name not in files and f"{bank}.{proj}" in files:  # an already stacked checkpoint
+        stacked = read_tensor(files, f"{bank}.{proj}", tuple(files.shape(f"{bank}.{proj}")), dtype, model)
+        return stacked[e].clone()
+    t = read_tensor(files, name, shape, dtype, model)
+    files.release(name)
+    return t
+
+
+def _materialize(module: nn.Module, prefix: str, files: CheckpointFiles, model: HybridForCausalLM) -> None:
+    """Give `module` (a meta submodule of `model`, named `prefix`) its tensors from the files, in place."""
+    targets = {prefix + n: t for n, t in module.state_dict(keep_vars=True).items()}
+    loaded, used, missing = read_tensors(targets, files, "cpu", model)
+    if missing:
+        raise CheckpointError(f"{files.directory}: {len(missing)} tensor(s) the config needs are missing: {missing[:8]}")
+    for name in used:
+        files.release(name)
+    module.load_state_dict({n[len(prefix):]: t for n, t in loaded.items()}, assign=True)
+
+
+@torch.no_grad()
+def calibrate_streamed(files: CheckpointFiles, config: HybridConfig, dtype: torch.dtype, qc: QuantConfig,
+                       batches: list[torch.Tensor]) -> InputAmax:
+    """`calibrate` without the model in memory: the batches' hidden states go through one layer at a time,
+    each layer's weights read from `files` for its turn (a bank's experts one at a time) and dropped after.
+    Records bit for bit what `calibrate` records on the loaded model (the same operations on the same
+    numbers, only in another order)."""
+    model = build_model(config, dtype)  # meta: names, shapes and dtypes
+    stats = InputAmax()
+
+    def calibrate(prefix: str, module: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        for name, child in list(module.named_modules()):
+            if isinstance(child, ExpertBank):  # experts from the files, one at a time
+                parent, _, attr = name.rpartition(".")
+                setattr(module.get_submodule(parent), attr, _FileExpertBank(files, f"{prefix}{name}", child, model))
+        _materialize(module, prefix, files, model)
+        named = [((prefix + name) if name else prefix[:-1], m) for name, m in module.named_modules()]
+        handles = [stats.attach(full, m) for full, m in named if _calibrated(full, m, qc)]
+        outputs = [module(h, StepContext(past=0, mask=None, key_mask=None)) if prefix.startswith("backbone.layers.")
+                   else module(h) for h in inputs]
+        for h in handles:
+            h.remove()
+        module.to_empty(device="meta")  # drop this layer's weights
+        return outputs
+
+    hidden = calibrate("backbone.embeddings.", model.backbone.embeddings, [ids.cpu() for ids in batches])
+    for i, block in enumerate(model.backbone.layers):
+        hidden = calibrate(f"backbone.layers.{i}.", block, hidden)
+    if qc.format_for("lm_head") is not None and not config.tie_word_embeddings:
+        hidden = calibrate("backbone.norm_f.", model.backbone.norm_f, hidden)
+        calibrate("lm_head.", model.lm_head, hidden)
+    for name, module in model.named_modules():  # the MTP block never runs in calibration, in memory neither:
+        if name.startswith("mtp.") and _calibrated(name, module, qc):  # attached, nothing recorded
+            stats.attach(name, module).remove()
+    stats.fill_unreached()
+    return stats
+
+
+def _float(files: CheckpointFiles, name: str, like: torch.Tensor, model: HybridForCausalLM, used: set[str]):
+    t = read_tensor(files, name, tuple(like.shape), like.dtype, model)
+    files.release(name)
+    used.add(name)
+    return t
+
+
+def _module_tensors(name: str, module: nn.Module, files: CheckpointFiles, stats: InputAmax,
+                    model: HybridForCausalLM, used: set[str]):
+    """(published name, tensor) of one module of the output model (meta), read from the files and quantized
+    where the module is packed: a Linear's weight at once, a bank's experts one at a time."""
+    prefix = f"{name}." if name else ""
+    if isinstance(module, QuantLinear):
+        w = _float(files, f"{prefix}weight", torch.empty(module.out_features, module.in_features,
+                                                         dtype=model.dtype, device="meta"), model, used)
+        for tname, t in module.fmt.quantize(w, stats.linear.get(name, torch.tensor(0.0))).items():
+            yield prefix + tname, t
+        if module.bias is not None:
+            yield prefix + "bias", _float(files, f"{prefix}bias", module.bias, model, used)
+        return
+    if isinstance(module, QuantExpertBank):
+        amax = stats.experts.get(name, (torch.zeros(module.n_experts), torch.zeros(module.n_experts)))
+        for j in range(module.n_experts):
+            for proj, a in (("up_proj", amax[0]), ("down_proj", amax[1])):
+                p = getattr(module, proj)
+                shape = (p.out_features, p.in_features) if isinstance(p, PackedWeight) else tuple(p.weight.shape[1:])
+                w = _float(files, f"{prefix}{j}.{proj}.weight", torch.empty(shape, dtype=model.dtype, device="meta"),
+                           model, used)
+                if isinstance(p, DenseStack):
+                    yield f"{prefix}{j}.{proj}.weight", w
+                    continue
+                for tname, t in p.fmt.quantize(w, a[j]).items():
+                    yield f"{prefix}{j}.{proj}.{tname}", t
+        return
+    for tname, t in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        if name == "lm_head" and model.config.tie_word_embeddings:
+            continue  # the tied head is the embedding matrix
+        if isinstance(module, ExpertBank):  # a float bank: one tensor per expert, as published
+            for j in range(t.shape[0]):
+                yield f"{prefix}{j}.{tname}.weight", _float(files, f"{prefix}{j}.{tname}.weight", t[j], model, used)
+            continue
+        yield prefix + tname, _float(files, prefix + tname, t, model, used)
+
+
+def _owned_by_packed(name: str, packed: set[str]) -> bool:
+    return any(name.startswith(p + ".") for p in packed)
+
+
+@torch.no_grad()
+def quantize_checkpoint(source: str | Path, destination: str | Path, fmt_name: str, exclude: list[str] | None = None,
+                        calibration: list[torch.Tensor] | None = None, dtype: str | torch.dtype | None = None,
+                        max_shard_bytes: int | None = 512 * 2**20, overwrite: bool = False,
+                        progress: bool = False) -> WriteReport:
+    """Quantize the float checkpoint `source` into `destination` tensor by tensor (see the module docstring).
+
+    calibration: token batches ([1, T] int64 each) for the static input scales (FP8, NVFP4); dtype: of the
+    unquantized tensors and the calibration (default: the config's). progress: a tqdm bar over the source
+    tensors. Returns the writer's report (shards, copied files).
+    Raises:
+        WriteError: the destination is the source, inside or around it, or not empty without `overwrite`.
+        ValueError / CheckpointError: an already quantized source, an unknown format, a module the format
+            cannot store, missing, unused or mistyped tensors.
+    """
+    src = resolve_checkpoint(source)
+    check_destination(Path(destination), src, overwrite)
+    config = HybridConfig.from_file(src / "config.json")
+    if (existing := read_quant_config(src, config)) is not None:
+        raise ValueError(f"{source} is already quantized ({existing.source})")
+    dtype = parse_dtype(dtype, config)
+    qc = plan(config, fmt_name, exclude)
+    files = CheckpointFiles(src)
+    stats = (calibrate_streamed(files, config, dtype, qc, calibration) if calibration and has_static_inputs(fmt_name)
+             else InputAmax())
+    out = build_model(config, dtype)  # meta: the output's modules, names, shapes and dtypes
+    quantize_modules(out, qc)
+    banks = {n for n, m in out.named_modules() if isinstance(m, (QuantExpertBank, QuantLinear))}
+    used: set[str] = set()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(1 for _ in files.keys()), unit="tensor", desc=f"quantize {fmt_name}")
+    with CheckpointWriter(destination, source=src, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
+        write_config_files(writer, out.config, dtype, qc, src)
+        for name, module in out.named_modules():
+            if _owned_by_packed(name, banks):
+                continue  # written with the packed module that holds it
+            before = len(used)
+            for tname, t in _module_tensors(name, module, files, stats, out, used):
+                writer.add(tname, t)
+            if bar is not None:
+                bar.update(len(used) - before)
+        if config.tie_word_embeddings and "lm_head.weight" in files:
+            used.add("lm_head.weight")  # the loader checks it equals the embeddings
+        unused = sorted(set(files.keys()) - used)
+        if unused:
+            raise CheckpointError(f"{src}: {len(unused)} tensor(s) in the files are not used by the model: {unused[:8]}")
+    if bar is not None:
+        bar.close()
+    return writer.report

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from hybrid.checkpoint_writer import CheckpointWriter
+from hybrid.config import HybridConfig
 from hybrid.dtypes import dtype_name
 from hybrid.loading import STACKED_EXPERTS
 from hybrid.model import HybridForCausalLM
-from moe.quant.config import HF_QUANT_CONFIG
+from moe.quant.config import HF_QUANT_CONFIG, QuantConfig
 
 
 def published_tensors(model: HybridForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
@@ -56,18 +57,24 @@ def save_checkpoint(model: HybridForCausalLM, directory: str | Path, max_shard_b
         hybrid.checkpoint_writer.WriteError: `directory` is not empty (without `overwrite`) or clashes with
             `source`.
     """
-    config = dataclasses.replace(model.config, torch_dtype=dtype_name(model.dtype))
-    quant = model.quantization
     with CheckpointWriter(directory, source=source, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
-        if quant is not None:
-            config = dataclasses.replace(config, quantization_config=quant.files.get("config.json"))
-            if HF_QUANT_CONFIG in quant.files:
-                writer.write_json(HF_QUANT_CONFIG, quant.files[HF_QUANT_CONFIG])
-        writer.write_json("config.json", config.to_dict())
-        if source is None or not (Path(source) / "generation_config.json").is_file():
-            writer.write_json("generation_config.json", {"bos_token_id": config.bos_token_id,
-                                                         "eos_token_id": config.eos_token_id,
-                                                         "pad_token_id": config.pad_token_id})
+        write_config_files(writer, model.config, model.dtype, model.quantization, source)
         for name, t in published_tensors(model):
             writer.add(name, t)
     return Path(directory)
+
+
+def write_config_files(writer: CheckpointWriter, config: HybridConfig, dtype: torch.dtype,
+                       quantization: QuantConfig | None, source: str | Path | None) -> None:
+    """config.json (NVIDIA dialect, `torch_dtype` = `dtype`, the quantization block), hf_quant_config.json
+    when the quantization has one, and generation_config.json unless the source has its own (then copied)."""
+    config = dataclasses.replace(config, torch_dtype=dtype_name(dtype))
+    if quantization is not None:
+        config = dataclasses.replace(config, quantization_config=quantization.files.get("config.json"))
+        if HF_QUANT_CONFIG in quantization.files:
+            writer.write_json(HF_QUANT_CONFIG, quantization.files[HF_QUANT_CONFIG])
+    writer.write_json("config.json", config.to_dict())
+    if source is None or not (Path(source) / "generation_config.json").is_file():
+        writer.write_json("generation_config.json", {"bos_token_id": config.bos_token_id,
+                                                     "eos_token_id": config.eos_token_id,
+                                                     "pad_token_id": config.pad_token_id})

@@ -4,7 +4,8 @@
 - Initialisation follows transformers' NemotronH / mamba-ssm: normal(0, initializer_range) weights, residual
   output projections scaled by 1/sqrt(2 * num_layers) (GPT-2), A = uniform(1, 16) (A_log = log A),
   D = 1, dt_bias = softplus^-1(dt) with dt log-uniform in [time_step_min, time_step_max] (floored at
-  time_step_floor), norms 1, biases and the correction bias 0.
+  time_step_floor), norms 1, biases and the correction bias 0 (`init_tensor`, one tensor at a time;
+  `write_random_checkpoint` streams a whole random checkpoint of any size to disk with it).
 - Balancing is DeepSeek-V3's auxiliary-loss-free strategy (Liu et al. 2024, section 2.1.2): after every
   optimiser step, each MoE layer's `e_score_correction_bias` moves by `rate` towards balance,
   `b_i += rate * sign(mean_load - load_i)`. The bias only affects which experts are chosen, never their
@@ -14,45 +15,68 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from hybrid.checkpoint_writer import CheckpointWriter
+from hybrid.config import HybridConfig
+from hybrid.loading import build_model
 from hybrid.model import HybridForCausalLM
+from hybrid.saving import published_tensors, write_config_files
 from moe.router import TopkRouter
 
 _RESIDUAL_OUT = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "down_proj", "fc2_latent_proj.weight")
 
 
+def init_tensor(name: str, shape: tuple[int, ...], config: HybridConfig, generator: torch.Generator) -> torch.Tensor:
+    """The initial value (float32) of the tensor `name` (ours or its published name) of shape `shape`, drawn
+    from `generator` (see the module docstring)."""
+    std = config.initializer_range
+    if name.endswith("A_log"):
+        return torch.log(torch.rand(shape, generator=generator) * 15 + 1)
+    if name.endswith(".D") or name.endswith(("norm.weight", "norm_f.weight")):
+        return torch.ones(shape)
+    if name.endswith("dt_bias"):
+        lo, hi = math.log(config.time_step_min), math.log(config.time_step_max)
+        dt = torch.exp(torch.rand(shape, generator=generator) * (hi - lo) + lo).clamp(min=config.time_step_floor)
+        return dt + torch.log(-torch.expm1(-dt))  # softplus^-1
+    if name.endswith("conv1d.weight"):
+        return (torch.rand(shape, generator=generator) * 2 - 1) * (1.0 / math.sqrt(shape[-1]))
+    if name.endswith("bias"):  # biases and the routers' e_score_correction_bias
+        return torch.zeros(shape)
+    scale = 1.0 / math.sqrt(2 * config.num_hidden_layers) if name.endswith(_RESIDUAL_OUT) else 1.0
+    return torch.randn(shape, generator=generator) * std * scale
+
+
 @torch.no_grad()
 def init_weights(model: HybridForCausalLM, seed: int) -> None:
     """Initialise every parameter and buffer of `model` in place (see the module docstring)."""
-    config = model.config
     g = torch.Generator().manual_seed(seed)
-    std = config.initializer_range
-    residual_scale = 1.0 / math.sqrt(2 * config.num_hidden_layers)
     for name, p in model.named_parameters():
-        if name.endswith("A_log"):
-            p.copy_(torch.log(torch.rand(p.shape, generator=g) * 15 + 1))
-        elif name.endswith(".D"):
-            p.fill_(1.0)
-        elif name.endswith("dt_bias"):
-            lo, hi = math.log(config.time_step_min), math.log(config.time_step_max)
-            dt = torch.exp(torch.rand(p.shape, generator=g) * (hi - lo) + lo).clamp(min=config.time_step_floor)
-            p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1
-        elif name.endswith(("norm.weight", "norm_f.weight")):
-            p.fill_(1.0)
-        elif name.endswith("conv1d.weight"):
-            bound = 1.0 / math.sqrt(p.shape[-1])
-            p.copy_((torch.rand(p.shape, generator=g) * 2 - 1) * bound)
-        elif name.endswith("bias"):
-            p.zero_()
-        else:
-            scale = residual_scale if name.endswith(_RESIDUAL_OUT) else 1.0
-            p.copy_(torch.randn(p.shape, generator=g) * std * scale)
+        p.copy_(init_tensor(name, tuple(p.shape), model.config, g))
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):
             b.zero_()
+
+
+def write_random_checkpoint(config: HybridConfig, directory: str | Path, seed: int = 0,
+                            dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int | None = 512 * 2**20,
+                            extra_files: tuple[Path, ...] = ()) -> Path:
+    """A checkpoint of `config` with `init_tensor` weights in `dtype` (router and SSM parameters in fp32, as
+    published checkpoints store them), written tensor by tensor in the published layout (one tensor per
+    expert, sharded, with an index): memory stays at one shard, whatever the model's size. `extra_files`
+    (tokenizer files, ...) are copied in. Returns the directory."""
+    model = build_model(config, dtype, device="meta")  # names, shapes and dtypes only
+    g = torch.Generator().manual_seed(seed)
+    with CheckpointWriter(directory, max_shard_bytes=max_shard_bytes) as writer:
+        write_config_files(writer, config, dtype, None, None)
+        for path in extra_files:
+            writer.copy(path)
+        for name, t in published_tensors(model):
+            writer.add(name, init_tensor(name, tuple(t.shape), config, g).to(t.dtype))
+    return Path(directory)
 
 
 def learning_rate(progress: float, peak: float, warmup: float, final: float = 0.0) -> float:

@@ -51,7 +51,7 @@ class InputAmax:
         for e in ids.reshape(-1).unique().tolist():
             xe = x[(ids == e).any(dim=-1)]
             up[e] = torch.maximum(up[e], xe.abs().amax().float().cpu())
-            down[e] = torch.maximum(down[e], relu2(xe @ bank.up_proj[e].T).abs().amax().float().cpu())
+            down[e] = torch.maximum(down[e], relu2(xe @ bank.weights_of(e)[0].T).abs().amax().float().cpu())
 
     def fill_unreached(self) -> None:
         """Experts no calibration token reached get the largest amax of their bank (as ModelOpt's export does

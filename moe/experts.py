@@ -82,9 +82,17 @@ class ExpertBank(nn.Module):
     def n_experts(self) -> int:
         return self.up_proj.shape[0]
 
+    def weights_of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (up [I, L], down [L, I]). A bank whose experts live elsewhere (streamed from files)
+        overrides this; the forward and calibration read experts only through it."""
+        return self.up_proj[e], self.down_proj[e]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return dispatch(x, weights, ids, self.n_experts,
-                        lambda e, part: relu2(part @ self.up_proj[e].T) @ self.down_proj[e].T)
+        def expert(e: int, part: torch.Tensor) -> torch.Tensor:
+            up, down = self.weights_of(e)
+            return relu2(part @ up.T) @ down.T
+
+        return dispatch(x, weights, ids, self.n_experts, expert)
 
 
 # ------------------------------------------------------------------------------------------ packed

@@ -6,8 +6,8 @@
     python scripts/bench.py --checkpoint DIR           # any checkpoint the loader accepts
     python scripts/bench.py --smoke                    # seconds: the tiny preset, short lengths (CI)
 
-A preset's checkpoint is built once with random weights (`hybrid.training.init_weights`, seed 0), saved
-with our writer in bf16 with the default checkpoint's tokenizer files, under `--workdir`. Each engine then
+A preset's checkpoint is built once with random weights (`hybrid.training.write_random_checkpoint`, seed
+0: tensor by tensor, sharded, in bf16) with the default checkpoint's tokenizer files, under `--workdir`. Each engine then
 runs in its own process (so its peak resident memory is its own), reading the same files:
 
 - ours: `hybrid.load` + `hybrid.generate.generate_ids` (the user's path), greedy;
@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import statistics
 import subprocess
 import sys
@@ -55,33 +54,30 @@ TINY = dict(
 )
 MEDIUM = ROOT / "checkpoints" / "configs" / "bench-medium.config.json"
 WIDE = ROOT / "checkpoints" / "configs" / "bench-wide.config.json"  # medium with every width doubled
+NANO_SLICE = ROOT / "checkpoints" / "configs" / "bench-nano-slice.config.json"  # Nano's widths, 7 layers, 32K vocab
 PRESETS = {  # config, prefill lengths, decode batch sizes
     "tiny": (TINY, [256, 1024], [1, 8]),
     "medium": (MEDIUM, [1024, 8192], [1, 8]),
     "long": (MEDIUM, [1024, 32768], [1]),
     "wide": (WIDE, [1024], [1, 8]),
+    "nano-slice": (NANO_SLICE, [512], [1]),
 }
 
 
 # ---------------------------------------------------------------------------------------------- checkpoint
 def make_checkpoint(preset: str, workdir: Path) -> Path:
-    """The preset's random bf16 checkpoint (built once, then reused)."""
+    """The preset's random bf16 checkpoint (built once, then reused), written tensor by tensor in the
+    published layout (sharded, one tensor per expert) with the default checkpoint's tokenizer files."""
     from hybrid.config import HybridConfig
-    from hybrid.loading import build_model
-    from hybrid.saving import save_checkpoint
-    from hybrid.training import init_weights
+    from hybrid.training import write_random_checkpoint
 
     out = workdir / preset
     if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
         return out
     source = PRESETS[preset][0]
     config = HybridConfig.from_file(source) if isinstance(source, Path) else HybridConfig.from_dict(source)
-    model = build_model(config, torch.float32, device="cpu")
-    init_weights(model, seed=0)
-    save_checkpoint(model.cast(torch.bfloat16), out)
-    for name in TOKENIZER_FILES:
-        shutil.copy(ROOT / "checkpoints" / "hybrid-mini" / name, out / name)
-    return out
+    tokenizer = [ROOT / "checkpoints" / "hybrid-mini" / name for name in TOKENIZER_FILES]
+    return write_random_checkpoint(config, out, seed=0, extra_files=tokenizer)
 
 
 def bandwidth_samples(repeats: int = 5) -> list[float]:
