@@ -90,9 +90,12 @@ def test_a_new_format_is_one_codec_and_one_table_line(int8, tmp_path, capsys):
     for name, module in quantized.items():
         weight = float_tensors[f"{name}.weight" if isinstance(module, QuantLinear) else name]
         _check_int8(module.dequantize(), weight, name)
-    with safe_open(dst / "model.safetensors", "pt") as f:
-        assert f.get_slice("backbone.layers.1.mixer.experts.3.up_proj.weight").get_dtype() == "I8"
-        assert f.get_slice("backbone.layers.1.mixer.experts.3.up_proj.weight_scale").get_shape() == [32]
+    shard = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "backbone.layers.1.mixer.experts.3.up_proj"
+    with safe_open(dst / shard[f"{name}.weight"], "pt") as f:
+        assert f.get_slice(f"{name}.weight").get_dtype() == "I8"
+    with safe_open(dst / shard[f"{name}.weight_scale"], "pt") as f:
+        assert f.get_slice(f"{name}.weight_scale").get_shape() == [32]
 
     ids = torch.randint(5, 300, (2, 13), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
