@@ -181,6 +181,10 @@ class CheckpointFiles:
     def dtype(self, name: str) -> torch.dtype:
         return self.where[name].dtype(name)
 
+    def nbytes(self, name: str) -> int:
+        begin, end = self.where[name].entries[name]["data_offsets"]
+        return end - begin
+
     def view(self, name: str) -> torch.Tensor:
         return self.where[name].view(name)
 

@@ -31,8 +31,10 @@ from hybrid.config import HybridConfig
 from hybrid.dtypes import torch_dtype
 from hybrid.model import HybridForCausalLM
 from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
-from moe.prepack import prepack as prepack_model
-from moe.quant import PackedWeight, QuantFormat
+from hybrid.fingerprint import WeightsDigest, tensor_sample
+from moe.experts import PrepackedExpertBank
+from moe.prepack import prepackable
+from moe.quant import PackedWeight, PrepackedLinear, QuantFormat, swap_modules
 from moe.quant.config import QuantConfig
 from moe.quant.kernels import onednn
 
@@ -67,6 +69,7 @@ def load_model(
     revision: str | None = None,
     act_quant: bool = False,
     prepack: bool = True,
+    progress: bool = True,
 ) -> HybridForCausalLM:
     """Load a checkpoint directory (or hub repo id) into a `HybridForCausalLM` in eval mode.
 
@@ -80,6 +83,7 @@ def load_model(
         prepack: bf16 on a CPU with oneDNN bf16 support: hold the linear and expert weights in oneDNN's
             blocked layout (`moe.prepack`; matrix-vector products 1.4-1.8x faster). The model is then for
             inference only; pass False to keep plain `nn.Linear` modules (to quantize or train it).
+        progress: a progress bar on stderr when loading takes more than 2 s.
     Raises:
         ConfigError: config.json unreadable or invalid (names the file and field).
         CheckpointError: missing shard, missing / unused tensor, shape mismatch, pickled weights, an
@@ -97,41 +101,84 @@ def load_model(
         except ValueError as e:
             raise CheckpointError(f"quantized checkpoint: {e}") from None
         register_kv_scales(model, quant, files)
-    load_weights(model, files, device)
+    prepack = prepack and model.dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn.available()
+    load_weights(model, files, device, prepack=prepack, progress=progress)
     del files  # unmaps the checkpoint
-    if prepack and model.dtype == torch.bfloat16 and torch.device(device).type == "cpu" and onednn.available():
-        prepack_model(model)
     return model.eval()
 
 
-def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str | torch.device = "cpu") -> None:
-    """Fill every parameter and buffer of `model` (built on meta) from `files`, strictly.
+def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str | torch.device = "cpu",
+                 prepack: bool = False, progress: bool = False) -> None:
+    """Fill every parameter and buffer of `model` (built on meta) from `files`, strictly, and take the
+    weights' digest of its identity from the tensors as read.
 
+    prepack: the bf16 linears and expert banks `moe.prepack.prepackable` names are packed for oneDNN as they
+        are read, one matrix at a time (an expert bank is never whole in memory in its dense form).
+    progress: a progress bar over the bytes read, shown once loading has taken 2 s.
     Raises:
         CheckpointError: see the module docstring; the message names the tensor(s) and file(s).
     """
     config = model.config
     tied = config.tie_word_embeddings
+    packable = prepackable(model, device) if prepack else {}
     targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if not (tied and n == "lm_head.weight")}
-    loaded, used, missing = read_tensors(targets, files, device, model)
+    owned = {f"{name}.{t}": targets.pop(f"{name}.{t}") for name, m in packable.items()
+             for t in (("weight",) if isinstance(m, nn.Linear) else ("up_proj", "down_proj"))}
+    sources = {n: _source_names(n, t, files) for n, t in model.state_dict(keep_vars=True).items()
+               if n in targets or n in owned}
+    _check_all(model, files, sources, {**targets, **owned})
+    from tqdm import tqdm
 
+    total = sum(files.nbytes(s) for names in sources.values() for s in names)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="load", delay=2, disable=not progress) as bar:
+        loaded, _, _ = read_tensors(targets, files, device, model)
+        bar.update(sum(files.nbytes(s) for n in targets for s in sources[n]))
+        digest = WeightsDigest()
+        packed = {name: _packed(name, m, files, model, sources, digest, bar) for name, m in packable.items()}
     if tied:
         loaded["lm_head.weight"] = loaded.get("backbone.embeddings.weight")
-        if "lm_head.weight" in files and "backbone.embeddings.weight" in loaded:
-            used.add("lm_head.weight")
+        if "lm_head.weight" in files:
             head = files.view("lm_head.weight")
-            if head.shape != loaded["backbone.embeddings.weight"].shape or not torch.equal(
+            if head.shape != loaded["lm_head.weight"].shape or not torch.equal(
                 head.to(loaded["lm_head.weight"].dtype).to(device), loaded["lm_head.weight"]
             ):
                 raise CheckpointError(
                     f"{files.file_of('lm_head.weight')}: config.json sets tie_word_embeddings, but lm_head.weight "
                     "differs from backbone.embeddings.weight"
                 )
+    for n, t in loaded.items():
+        digest.add(n, tuple(t.shape), t.dtype, tensor_sample(t))
+    if packed:
+        swap_modules(model, lambda name, m: packed.get(name))
+        model.requires_grad_(False)  # inference only: a backward pass raises (see moe.prepack)
+    model.load_state_dict(loaded, strict=not packed, assign=True)
+    model.set_weights_digest(digest.hexdigest())
+    if tied:
+        model.lm_head.weight = model.backbone.embeddings.weight
+
+
+def _check_all(model: HybridForCausalLM, files: CheckpointFiles, sources: dict[str, list[str]],
+               targets: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError, before anything is read, for a file tensor whose shape or dtype its target does
+    not declare (the first in the state dict's order), tensors the model needs and the files lack, and
+    tensors in the files the model does not use."""
+    config = model.config
+    packed = _packed_owner(model)
+    for name, names in sources.items():
+        target = targets[name]
+        shape = tuple(target.shape[1:]) if len(names) > 1 else tuple(target.shape)  # per-expert tensors
+        for s in names:
+            if s in files:
+                _check(s, shape, target.dtype, files, name, packed.get(name), model)
+    missing = [s for names in sources.values() for s in names if s not in files]
     if missing:
         raise CheckpointError(
             f"{files.directory}: {len(missing)} tensor(s) the config "
             f"(pattern {config.hybrid_override_pattern!r}) needs are missing: {_first(missing)}"
         )
+    used = {s for names in sources.values() for s in names}
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # checked against the embeddings once they are read
     unused = sorted(set(files.keys()) - used)
     if unused:
         quant = model.quantization
@@ -143,9 +190,51 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
             f"{files.directory}: {len(unused)} tensor(s) in the files are not used by the model "
             f"(pattern {config.hybrid_override_pattern!r}): {_first(unused)}{hint}"
         )
-    model.load_state_dict(loaded, strict=True, assign=True)  # also takes the identity's weights digest
-    if tied:
-        model.lm_head.weight = model.backbone.embeddings.weight
+
+
+def _packed(name: str, module: nn.Module, files: CheckpointFiles, model: HybridForCausalLM,
+            sources: dict[str, list[str]], digest: WeightsDigest, bar) -> nn.Module:
+    """The prepacked form of meta module `name`, packed from the files one matrix at a time (each read as a
+    bf16 copy, its pages released, packed, dropped); its dense tensors' samples go into `digest`."""
+
+    def read(source: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """A bf16 file tensor as a view of the memory map (packed straight from it, then its pages
+        released: no temporary copy), converted copies for other dtypes."""
+        bar.update(files.nbytes(source))
+        if files.dtype(source) == torch.bfloat16:
+            return files.view(source)
+        return read_tensor(files, source, shape, torch.bfloat16, model)
+
+    if isinstance(module, nn.Linear):
+        source = sources[f"{name}.weight"][0]
+        w = read(source, tuple(module.weight.shape))
+        digest.add(f"{name}.weight", tuple(w.shape), w.dtype, tensor_sample(w))
+        packed = PrepackedLinear(module, w)
+        files.release(source)
+        return packed
+    samples: dict[str, list[bytes]] = {"up_proj": [], "down_proj": []}
+    stacks = {proj: getattr(module, proj) for proj in samples}
+
+    def experts():
+        for j in range(module.n_experts):
+            pair, names = [], []
+            for proj, stack in stacks.items():
+                sources_of = sources[f"{name}.{proj}"]
+                if len(sources_of) > 1:
+                    names.append(sources_of[j])
+                    w = read(sources_of[j], tuple(stack.shape[1:]))
+                else:  # stored stacked
+                    w = read_tensor(files, sources_of[0], tuple(stack.shape), torch.bfloat16, model)[j]
+                samples[proj].append(tensor_sample(w))
+                pair.append(w)
+            yield tuple(pair)  # packed by the bank
+            for source in names:
+                files.release(source)
+
+    bank = PrepackedExpertBank(module, experts())
+    for proj, stack in stacks.items():
+        digest.add(f"{name}.{proj}", tuple(stack.shape), torch.bfloat16, b"".join(samples[proj]))
+    return bank
 
 
 def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, device: str | torch.device,
@@ -206,20 +295,27 @@ def _squeezed(shape) -> tuple[int, ...]:
 
 def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles, model_name: str,
                   owner: tuple[str, QuantFormat] | None, model: HybridForCausalLM) -> None:
-    """Copy file tensor `name` into `out`, refusing any shape or dtype the target does not declare.
+    """Copy file tensor `name` into `out` after `_check` (then drop its pages of the memory map)."""
+    _check(name, tuple(out.shape), out.dtype, files, model_name, owner, model)
+    out.copy_(files.view(name).reshape(out.shape) if owner is not None else files.view(name))
+    files.release(name)
+
+
+def _check(name: str, want_shape: tuple[int, ...], want_dtype: torch.dtype, files: CheckpointFiles, model_name: str,
+           owner: tuple[str, QuantFormat] | None, model: HybridForCausalLM) -> None:
+    """Refuse file tensor `name` for a target of `want_shape` / `want_dtype` it does not fit.
 
     A packed module's tensors (`owner` = (module, format)) keep their dtype exactly; their shapes may differ
     from the declared ones only by size-1 dimensions (scalars stored as [] or [1], per-channel scales as
-    [out] or [out, 1], block scales as [R, C] or ModelOpt's [R, 1, C, 1]).
+    [out] or [out, 1], block scales as [R, C] or ModelOpt's [R, 1, C, 1]). Other targets take any float
+    dtype (converted) in exactly their shape.
     """
     shape, dtype = tuple(files.shape(name)), files.dtype(name)
     if owner is not None:
         module, fmt = owner
-        if dtype != out.dtype or (shape != tuple(out.shape) and _squeezed(shape) != _squeezed(out.shape)):
-            raise CheckpointError(_mismatch(files, name, model_name, module, fmt, tuple(out.shape), out.dtype,
+        if dtype != want_dtype or (shape != want_shape and _squeezed(shape) != _squeezed(want_shape)):
+            raise CheckpointError(_mismatch(files, name, model_name, module, fmt, want_shape, want_dtype,
                                             model.quantization))
-        out.copy_(files.view(name).reshape(out.shape))
-        files.release(name)
         return
     if dtype not in _FLOAT_DTYPES:
         quant = model.quantization
@@ -227,12 +323,10 @@ def _copy_checked(out: torch.Tensor, name: str, files: CheckpointFiles, model_na
                f"quantized checkpoint: {quant.source} leaves this module unquantized, so a floating-point weight "
                "is expected")
         raise CheckpointError(f"{files.file_of(name)}: tensor {name!r} is {dtype}, not a floating-point weight; {why}")
-    if shape != tuple(out.shape):
+    if shape != want_shape:
         raise CheckpointError(
-            f"{files.file_of(name)}: tensor {name!r} has shape {list(shape)}; the config expects {list(out.shape)}"
+            f"{files.file_of(name)}: tensor {name!r} has shape {list(shape)}; the config expects {list(want_shape)}"
         )
-    out.copy_(files.view(name))
-    files.release(name)
 
 
 def _packed_owner(model: nn.Module) -> dict[str, tuple[str, QuantFormat]]:
@@ -262,6 +356,7 @@ def load(
     revision: str | None = None,
     act_quant: bool = False,
     prepack: bool = True,
+    progress: bool = True,
 ):
     """Load a model and its tokenizer: `(HybridForCausalLM, Tokenizer)`.
 
@@ -271,6 +366,6 @@ def load(
     from hybrid.tokenizer import Tokenizer
 
     directory = resolve_checkpoint(path_or_repo, revision)
-    model = load_model(directory, dtype, device, act_quant=act_quant, prepack=prepack)
+    model = load_model(directory, dtype, device, act_quant=act_quant, prepack=prepack, progress=progress)
     tokenizer = Tokenizer.from_dir(directory, config_eos=model.config.eos_token_ids, config_pad=model.config.pad_token_id)
     return model, tokenizer

@@ -173,6 +173,11 @@ class HybridForCausalLM(nn.Module):
         quant = None if self.quantization is None else self.quantization.files
         return fingerprint.identity(config, self.dtype, quant, self.act_quant, self._weights_digest)
 
+    def set_weights_digest(self, digest: str) -> None:
+        """Adopt the weights' digest a loader took from the tensors it read (`hybrid.fingerprint`), for a model
+        whose tensors did not all pass through `load_state_dict` (prepacked as they were read)."""
+        self._weights_digest = digest
+
     def reset_identity(self) -> None:
         """Forget the weights' digest (after the weights changed in place); the next `identity` retakes it."""
         self._weights_digest = None

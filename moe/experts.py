@@ -16,6 +16,7 @@ outputs are summed per token in fp32.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -180,12 +181,16 @@ class PrepackedExpertBank(Prepacked):
     Shapes as `ExpertBank`. The ReLU of squared ReLU is fused into the up projection.
     """
 
-    def __init__(self, source: ExpertBank):
+    def __init__(self, source: ExpertBank, experts: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """Pack `source`'s experts, or the (up [I, L], down [L, I]) bf16 pairs `experts` yields when given
+        (`source` may then be on meta): one expert at a time, so a loader can hand over each and drop it."""
         super().__init__()
         self.n_experts = source.n_experts
         self.shapes = {"up_proj": tuple(source.up_proj.shape), "down_proj": tuple(source.down_proj.shape)}
-        self.up = [onednn.pack(w) for w in source.up_proj]
-        self.down = [onednn.pack(w) for w in source.down_proj]
+        self.up, self.down = [], []
+        for up, down in experts if experts is not None else (source.weights_of(e) for e in range(self.n_experts)):
+            self.up.append(onednn.pack(up))
+            self.down.append(onednn.pack(down))
 
     @property
     def up_proj(self) -> torch.Tensor:

@@ -17,31 +17,38 @@ from moe.quant.prepacked import Prepacked, PrepackedLinear
 from moe.quant.swap import swap_modules
 
 
-def prepack(model: nn.Module) -> int:
-    """Swap the bf16 `nn.Linear`s and `ExpertBank`s of `model` (on CPU) for prepacked ones, in place, and
-    freeze every parameter (a backward pass raises instead of silently leaving the packed weights without
-    gradients).
+def prepackable(model: nn.Module, device: str | torch.device | None = None) -> dict[str, nn.Module]:
+    """{name: module} of the bf16 `nn.Linear`s and `ExpertBank`s of `model` that `prepack` would swap: in
+    bf16, on the CPU (or meant for it: `device`, for a model still on the meta device), and not sharing their
+    weight with another module (a head tied to the embeddings stays dense: one copy). Quantized modules and
+    other dtypes (fp32 routers, fp32 models) are not."""
+    shared = {id(p) for m in model.modules() if not isinstance(m, (nn.Linear, ExpertBank))
+              for p in m.parameters(recurse=False)}
 
-    Modules in other dtypes (fp32 routers, fp32 models), on other devices, packed quantized modules, and a
-    head that shares its weight with another module (tied embeddings: one copy) are left as they are.
-    Returns the number of modules swapped.
+    def eligible(weight: torch.Tensor) -> bool:
+        on = torch.device(device).type if device is not None else weight.device.type
+        return weight.dtype == torch.bfloat16 and on == "cpu" and id(weight) not in shared
+
+    return {name: m for name, m in model.named_modules()
+            if (type(m) is nn.Linear and eligible(m.weight)) or (type(m) is ExpertBank and eligible(m.up_proj))}
+
+
+def prepack(model: nn.Module) -> int:
+    """Swap the modules `prepackable(model)` names for prepacked ones, in place, and freeze every parameter
+    (a backward pass raises instead of silently leaving the packed weights without gradients). Returns the
+    number of modules swapped.
+
     Raises:
         RuntimeError: this CPU or PyTorch build has no oneDNN bf16 support (check `onednn.available()`).
     """
     if not onednn.available():
         raise RuntimeError("oneDNN bf16 is not available on this CPU / PyTorch build")
-    shared = {p.data_ptr() for m in model.modules() if not isinstance(m, (nn.Linear, ExpertBank))
-              for p in m.parameters(recurse=False)}
-
-    def eligible(weight: torch.Tensor) -> bool:
-        return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.data_ptr() not in shared
+    eligible = prepackable(model)
 
     def packed(name: str, child: nn.Module) -> nn.Module | None:
-        if type(child) is nn.Linear and eligible(child.weight):
-            return PrepackedLinear(child)
-        if type(child) is ExpertBank and eligible(child.up_proj):
-            return PrepackedExpertBank(child)
-        return None
+        if name not in eligible:
+            return None
+        return PrepackedLinear(child) if isinstance(child, nn.Linear) else PrepackedExpertBank(child)
 
     swapped = swap_modules(model, packed)
     model.requires_grad_(False)

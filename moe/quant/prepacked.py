@@ -78,10 +78,12 @@ class Prepacked(nn.Module):
 class PrepackedLinear(Prepacked):
     """An inference-only `nn.Linear` (bf16, CPU) holding its weight prepacked. Shapes: [..., in] -> [..., out]."""
 
-    def __init__(self, source: nn.Linear):
+    def __init__(self, source: nn.Linear, weight: torch.Tensor | None = None):
+        """Pack `source.weight` (or `weight`, [out, in] bf16, when given: `source` may then be on meta; its
+        bias is kept either way)."""
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
-        self.packed = onednn.pack(source.weight)
+        self.packed = onednn.pack(source.weight if weight is None else weight)
         self.bias = source.bias
 
     @property
