@@ -6,7 +6,8 @@ the affected modules are swapped for packed ones first, so bytes are the packed 
 `bytes_by_format` splits them by storage format (a packed weight's scales count with its format).
 "Active" counts every weight a token's forward reads: everything except the routed experts, plus
 `num_experts_per_tok` of them per MoE layer; the embedding table is reported apart, since a token reads
-one row of it. The MTP block (if any) is counted apart and left out of the totals.
+one row of it (which `active_weight_bytes_per_token`, the bytes a decode step reads in the stored
+formats, counts). The MTP block (if any) is counted apart and left out of the totals.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant: QuantConfig | None
     if quant is not None:
         quantize_modules(model, quant)
     packed = _packed(model)
-    total = active = embedding = mtp = 0
+    total = active = embedding = mtp = active_bytes = 0
     nbytes: Counter[str] = Counter()
     by_format: Counter[str] = Counter()
     seen: set[int] = set()
@@ -68,12 +69,15 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant: QuantConfig | None
         total += n
         if name == "backbone.embeddings.weight":
             embedding += n
+            active_bytes += b if config.tie_word_embeddings else b // config.vocab_size  # one row, or the head
             if config.tie_word_embeddings:  # the same matrix is read in full by the head
                 active += n
         elif ".mixer.experts." in name:
             active += n * k_over_e
+            active_bytes += b * k_over_e
         else:
             active += n
+            active_bytes += b
     item = torch.empty((), dtype=dtype).element_size()
     ssm_item = torch_dtype(config.mamba_ssm_cache_dtype).itemsize
     n_attn = len(config.layer_indices(ATTENTION))
@@ -87,6 +91,7 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant: QuantConfig | None
         "dtype": dtype_name(dtype),
         "parameters": total,
         "active_parameters_per_token": round(active),
+        "active_weight_bytes_per_token": round(active_bytes),
         "embedding_parameters": embedding,
         "bytes_by_dtype": dict(sorted(nbytes.items())),
         "bytes_by_format": dict(sorted(by_format.items())),

@@ -137,6 +137,7 @@ def _info(args) -> int:
         q = report["quantization"]
         print("by format      " + ", ".join(f"{k}: {v:,}" for k, v in report["bytes_by_format"].items())
               + f"  ({q['method']}, {q['source']}" + (f", KV cache {q['kv_cache']}" if q["kv_cache"] else "") + ")")
+    print(f"read per token {report['active_weight_bytes_per_token']:,} weight bytes (a decode step at batch 1)")
     print(f"KV cache       {report['kv_cache_bytes_per_token']:,} bytes per token")
     print(f"Mamba state    {report['mamba_state_bytes_per_sequence']:,} bytes per sequence "
           f"({report['mamba_state_bytes_per_sequence'] / 2**20:.1f} MiB, constant in length)")

@@ -182,7 +182,8 @@ def calibrate_streamed(files: CheckpointFiles, config: HybridConfig, dtype: torc
     model = build_model(config, dtype)  # meta: names, shapes and dtypes
     stats = InputAmax()
 
-    def calibrate(prefix: str, module: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def run_part(prefix: str, module: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`module` (named `prefix`) read from the files, run on `inputs` with hooks attached, dropped."""
         for name, child in list(module.named_modules()):
             if isinstance(child, ExpertBank):  # experts from the files, one at a time
                 parent, _, attr = name.rpartition(".")
@@ -197,12 +198,12 @@ def calibrate_streamed(files: CheckpointFiles, config: HybridConfig, dtype: torc
         module.to_empty(device="meta")  # drop this layer's weights
         return outputs
 
-    hidden = calibrate("backbone.embeddings.", model.backbone.embeddings, [ids.cpu() for ids in batches])
+    hidden = run_part("backbone.embeddings.", model.backbone.embeddings, [ids.cpu() for ids in batches])
     for i, block in enumerate(model.backbone.layers):
-        hidden = calibrate(f"backbone.layers.{i}.", block, hidden)
+        hidden = run_part(f"backbone.layers.{i}.", block, hidden)
     if qc.format_for("lm_head") is not None and not config.tie_word_embeddings:
-        hidden = calibrate("backbone.norm_f.", model.backbone.norm_f, hidden)
-        calibrate("lm_head.", model.lm_head, hidden)
+        hidden = run_part("backbone.norm_f.", model.backbone.norm_f, hidden)
+        run_part("lm_head.", model.lm_head, hidden)
     for name, module in model.named_modules():  # the MTP block never runs in calibration, in memory neither:
         if name.startswith("mtp.") and _calibrated(name, module, qc):  # attached, nothing recorded
             stats.attach(name, module).remove()

@@ -3,6 +3,8 @@
     python scripts/bench.py --preset medium            # 554M-parameter MoE, bf16 (see checkpoints/configs/)
     python scripts/bench.py --preset long              # the same model with a 32K-token prompt
     python scripts/bench.py --preset wide              # medium with every width doubled (2.1B, 4x the bytes per layer)
+    python scripts/bench.py --preset nano-slice        # Nano's real widths; bf16 / FP8 / NVFP4 / MXFP4 vs llama.cpp
+                                                       # (scripts/bench_formats.py)
     python scripts/bench.py --checkpoint DIR           # any checkpoint the loader accepts
     python scripts/bench.py --smoke                    # seconds: the tiny preset, short lengths (CI)
 
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="prefill prompt lengths (default: preset's)")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default: preset's)")
-    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--decode-tokens", type=int, default=None, help="default 64 (nano-slice: 16)")
     p.add_argument("--decode-prompt", type=int, default=32, help="prompt tokens before the decode measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp"])
@@ -316,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     preset_lengths, preset_batches = PRESETS[args.preset][1:]
     args.lengths, args.batches = args.lengths or preset_lengths, args.batches or preset_batches
     directory = args.checkpoint or make_checkpoint(args.preset, args.workdir)
+    if args.preset == "nano-slice" and args.checkpoint is None:  # every format against llama.cpp's
+        import bench_formats
+
+        args.prefill, args.decode_tokens, args.peer_home = args.lengths[0], args.decode_tokens or 16, PEER_HOME
+        return bench_formats.run(args, directory)
+    args.decode_tokens = args.decode_tokens or 64
 
     from hybrid.accounting import describe
     from hybrid.config import HybridConfig

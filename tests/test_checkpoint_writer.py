@@ -136,3 +136,26 @@ def test_save_checkpoint_keeps_the_source_generation_config_and_loads_back(sourc
     with torch.no_grad():
         assert torch.equal(hybrid.load_model(dst)(ids), model(ids))
     assert hybrid.load_model(dst).identity == model.identity
+
+
+def test_a_random_checkpoint_is_written_tensor_by_tensor_in_the_published_layout(tmp_path):
+    """`write_random_checkpoint` (the bench's builder): sharded with an index, one tensor per expert, the
+    initialisation's rules (norms and D 1, biases 0, A in [1, 16]), and it loads strictly."""
+    from hybrid.config import HybridConfig
+    from hybrid.training import write_random_checkpoint
+    from tiny_checkpoint import TINY
+
+    config = HybridConfig(hybrid_override_pattern="ME*E", **TINY)
+    dst = write_random_checkpoint(config, tmp_path / "random", seed=3, max_shard_bytes=10_000)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 3
+    assert "backbone.layers.1.mixer.experts.3.down_proj.weight" in index and not any(
+        k.endswith("experts.up_proj") for k in index)
+    model = hybrid.load_model(dst, dtype="fp32")
+    state = model.state_dict()
+    assert state["backbone.layers.1.mixer.experts.up_proj"].dtype == torch.float32
+    assert torch.equal(state["backbone.norm_f.weight"], torch.ones(32)) and torch.equal(state["backbone.layers.0.mixer.D"], torch.ones(4))
+    assert not state["backbone.layers.0.mixer.conv1d.bias"].any() and not state["backbone.layers.1.mixer.gate.e_score_correction_bias"].any()
+    A = torch.exp(state["backbone.layers.0.mixer.A_log"])
+    assert bool(((A >= 1) & (A <= 16)).all())
+    assert 0.015 < float(state["backbone.layers.1.mixer.experts.up_proj"].std()) < 0.025  # initializer_range 0.02

@@ -135,3 +135,13 @@ def test_nano_accounting_matches_published_numbers():
     assert 3.5e9 < r["active_parameters_per_token"] + r["embedding_parameters"] < 3.7e9
     assert r["kv_cache_bytes_per_token"] == 6 * 2 * 2 * 128 * 2 == 6144
     assert r["mamba_state_bytes_per_sequence"] == 23 * (64 * 64 * 128 * 4 + 6144 * 3 * 2)
+
+
+def test_nano_bytes_read_per_token_by_hand():
+    """A decode step reads every active weight once: bf16 ones 2 bytes, the fp32 ones 4 (23 routers
+    [128, 2688] with their 128 correction biases; A_log, D, dt_bias of 64 heads in 23 Mamba layers), plus
+    one bf16 row of the embedding."""
+    r = describe(HybridConfig.from_dict(nano_dict()), torch.bfloat16)
+    fp32 = 23 * (128 * 2688 + 128) + 23 * 3 * 64
+    expected = 2 * (r["active_parameters_per_token"] - fp32) + 4 * fp32 + 2 * 2688
+    assert r["active_weight_bytes_per_token"] == expected == 6_471_356_672
