@@ -286,7 +286,7 @@ def quantize_checkpoint(source: str | Path, destination: str | Path, fmt_name: s
              else InputAmax())
     out = build_model(config, dtype)  # meta: the output's modules, names, shapes and dtypes
     quantize_modules(out, qc)
-    banks = {n for n, m in out.named_modules() if isinstance(m, (QuantExpertBank, QuantLinear))}
+    packed = {n for n, m in out.named_modules() if isinstance(m, (QuantExpertBank, QuantLinear))}
     used: set[str] = set()
     bar = None
     if progress:
@@ -296,7 +296,7 @@ def quantize_checkpoint(source: str | Path, destination: str | Path, fmt_name: s
     with CheckpointWriter(destination, source=src, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
         write_config_files(writer, out.config, dtype, qc, src)
         for name, module in out.named_modules():
-            if _owned_by_packed(name, banks):
+            if _owned_by_packed(name, packed):
                 continue  # written with the packed module that holds it
             before = len(used)
             for tname, t in _module_tensors(name, module, files, stats, out, used):
