@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from moe.quant.codec import QuantFormat
-from moe.quant.kernels import onednn, triton_for
+from moe.quant import kernels
+from moe.quant.kernels import onednn
 from moe.quant.packed import PackedWeight
 from moe.quant.prepacked import Prepacked
 
@@ -134,13 +135,16 @@ class QuantExpertBank(nn.Module):
         return PackedWeight(fmt, out_f, in_f, n_experts=n, device=device)
 
     def _matmul(self, proj: nn.Module, x: torch.Tensor, e: int) -> torch.Tensor:
-        if self.act_quant and isinstance(proj, PackedWeight):
-            x = proj.fmt.fake_quantize(x, proj.activation_scale(e))
+        if isinstance(proj, PackedWeight):
+            if self.act_quant:
+                x = proj.fmt.fake_quantize(x, proj.activation_scale(e))
+            if (cpu := kernels.cpu_for(x, proj.fmt)) is not None:  # straight from the packed bytes
+                return cpu.linear(x, proj, expert=e).to(x.dtype)
         return x @ proj.dequantize(x.dtype, expert=e).T
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if not self.act_quant and all(isinstance(p, PackedWeight) for p in (self.up_proj, self.down_proj)) \
-                and triton_for(x, self.up_proj.fmt, self.down_proj.fmt) is not None:
+                and kernels.triton_for(x, self.up_proj.fmt, self.down_proj.fmt) is not None:
             return self.fused(x, weights, ids)
         return dispatch(x, weights, ids, self.n_experts,
                         lambda e, part: self._matmul(self.down_proj, relu2(self._matmul(self.up_proj, part, e)), e))

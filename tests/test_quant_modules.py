@@ -10,7 +10,7 @@ from hybrid.accounting import resident_bytes
 from hybrid.quantize import quantize_model
 from hybrid.saving import save_checkpoint
 from moe.experts import ExpertBank, QuantExpertBank
-from moe.quant import PackedWeight, QuantLinear
+from moe.quant import PackedWeight, QuantLinear, kernels
 from moe.quant.config import modelopt_format
 from tiny_checkpoint import write_checkpoint
 
@@ -58,6 +58,8 @@ def test_resident_weight_bytes_are_the_packed_size(quantized, source, fmt):
 
 
 def test_a_forward_dequantizes_only_the_selected_experts(quantized, monkeypatch):
+    """The PyTorch reference path (prefill chunks of more than 16 rows, or no compiled kernels)."""
+    monkeypatch.setattr(kernels, "cpu_for", lambda x, fmt: None)
     model = hybrid.load_model(quantized["nvfp4"], dtype="fp32")
     bank = model.backbone.layers[1].mixer.experts
     assert isinstance(bank, QuantExpertBank)
@@ -106,12 +108,17 @@ def _densify(model):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
-def test_packed_forward_equals_dequantized_forward(quantized, fmt):
+def test_packed_forward_equals_dequantized_forward(quantized, fmt, monkeypatch):
     ids = torch.randint(5, 300, (2, 17), generator=torch.Generator().manual_seed(4))
     packed = hybrid.load_model(quantized[fmt], dtype="fp32")
     dense = _densify(hybrid.load_model(quantized[fmt], dtype="fp32"))
     assert not any(isinstance(m, PackedWeight) for m in dense.modules())
-    torch.testing.assert_close(packed(ids), dense(ids), rtol=1e-6, atol=1e-5)
+    with torch.no_grad():
+        want = dense(ids)
+        got = packed(ids)  # from the packed bytes (moe.quant.kernels.cpu): fp32 sums in another order
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    monkeypatch.setattr(kernels, "cpu_for", lambda x, fmt: None)  # the PyTorch path: the dense model's operations
+    torch.testing.assert_close(packed(ids), want, rtol=1e-6, atol=1e-5)
 
 
 def test_activation_quantization_emulation():

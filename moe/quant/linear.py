@@ -6,8 +6,9 @@
 
 The state dict holds the checkpoint's own tensors (`weight`, `weight_scale`, ... as `fmt` names them) and
 an optional `bias` in the model dtype. On CUDA, with triton installed, FP8 and NVFP4 weight-only matmuls
-run in a Triton kernel that dequantizes tiles on the fly (`moe.quant.kernels.triton`); elsewhere the
-dequantized weight is built for the call and dropped after it.
+run in a Triton kernel that dequantizes tiles on the fly (`moe.quant.kernels.triton`); on the CPU they run
+straight from the packed bytes (`moe.quant.kernels.cpu`); where neither is available the dequantized weight
+is built for the call and dropped after it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe.quant import kernels
 from moe.quant.codec import QuantFormat
-from moe.quant.kernels import triton_for
 from moe.quant.packed import PackedWeight
 
 
@@ -36,8 +37,11 @@ class QuantLinear(PackedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant:
             x = self.fmt.fake_quantize(x, self.activation_scale())
-        elif (kernels := triton_for(x, self.fmt)) is not None:
-            return kernels.linear(x, self, self.bias)
+        elif (fused := kernels.triton_for(x, self.fmt)) is not None:
+            return fused.linear(x, self, self.bias)
+        if (cpu := kernels.cpu_for(x, self.fmt)) is not None:  # straight from the packed bytes
+            y = cpu.linear(x.reshape(-1, self.in_features), self).reshape(*x.shape[:-1], self.out_features)
+            return (y if self.bias is None else y + self.bias).to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype), self.bias)
 
     @classmethod

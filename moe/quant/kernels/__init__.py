@@ -1,6 +1,8 @@
 """Low-level compute kernels for the packed modules, and the seam that picks one.
 
     onednn.py   bf16 matrix products on prepacked oneDNN weights (CPU)
+    cpu.py      FP8 / NVFP4 / MXFP4 products straight from the packed bytes (CPU; the C++ extension
+                cpu_packed.cpp, compiled on first use)
     triton.py   fused dequantize-matmul for FP8 / NVFP4 weights, plain or grouped by expert (CUDA)
 
 The PyTorch reference (dequantize the weight, then an ordinary matmul) is what runs wherever no kernel
@@ -23,3 +25,13 @@ def triton_for(x: torch.Tensor, *fmts) -> ModuleType | None:
     from moe.quant.kernels import triton
 
     return triton if all(triton.supports(f) for f in fmts) else None
+
+
+def cpu_for(x: torch.Tensor, fmt) -> ModuleType | None:
+    """`moe.quant.kernels.cpu` when `x` is a CPU tensor and its kernels support `fmt` and are built (the first
+    call builds them); None means: the PyTorch path (dequantize, then matmul)."""
+    if x.device.type != "cpu":
+        return None
+    from moe.quant.kernels import cpu
+
+    return cpu if cpu.supports(fmt) and cpu.module() is not None else None

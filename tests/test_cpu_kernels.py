@@ -1,0 +1,151 @@
+"""The packed-weight CPU kernels (`moe.quant.kernels.cpu`): products straight from FP8 / NVFP4 / MXFP4 bytes
+equal the product with the exactly dequantized weight up to the order of fp32 sums, at Nemotron 3 Nano's
+widths, for every format and layout, with fp32 and bf16 inputs; no dequantized weight is ever made.
+
+Oracle: float64 `x @ W.T` with W = the format's exact dequantization (itself checked against ModelOpt and
+compressed-tensors in test_quant_oracles.py). Bound: 2e-6 x (|x| @ |W|.T), the size of an fp32 reordering
+error, per output element (an error in a decoded value or a scale would be ~1e-2 of it or more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from moe.experts import ExpertBank, QuantExpertBank
+from moe.quant import PackedWeight, QuantLinear, kernels
+from moe.quant.config import modelopt_format
+from moe.quant.e4m3 import e4m3_value
+from moe.quant.formats import COMPRESSED_TENSORS, GPT_OSS_MXFP4
+from moe.quant.kernels import cpu
+
+pytestmark = pytest.mark.skipif(cpu.module() is None, reason="the CPU kernels could not be built here")
+
+FORMATS = {
+    "fp8-tensor": modelopt_format("FP8"),
+    "fp8-channel-ct": COMPRESSED_TENSORS["float-quantized"].__class__(
+        COMPRESSED_TENSORS["float-quantized"].codec,
+        COMPRESSED_TENSORS["float-quantized"].layout.__class__(**{**vars(COMPRESSED_TENSORS["float-quantized"].layout),
+                                                                  "granularity": "channel"})),
+    "fp8-block": modelopt_format("FP8_PB_WO"),
+    "nvfp4": modelopt_format("NVFP4"),
+    "nvfp4-ct-divisor": COMPRESSED_TENSORS["nvfp4-pack-quantized"],
+    "mxfp4": modelopt_format("MXFP4"),
+    "mxfp4-gpt-oss-blocks": GPT_OSS_MXFP4,
+}
+# Nano's expert up and down projections (1,856 = 14.5 x 128: a partial FP8 block in rows or in columns),
+# and small odd shapes: N not a multiple of the 4-row tile, K % 32 == 16 (a half FP4 chunk), K % 16 != 0.
+SHAPES = [(1856, 2688), (2688, 1856), (7, 48)]
+
+
+def quantized(fmt, out_f, in_f, seed):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(in_f, out_f, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_f, in_f, generator=g) * 0.02)
+        lin.weight[0, :5] = 0.0  # zeros and tiny values: E4M3 subnormal codes, E2M1 zeros
+        lin.weight[1, :5] = 1e-7
+    return QuantLinear.from_linear(lin, fmt, torch.tensor(3.0))
+
+
+def assert_exact(got: torch.Tensor, x: torch.Tensor, W: torch.Tensor) -> None:
+    ref = x.double() @ W.double().T
+    bound = 2e-6 * (x.double().abs() @ W.double().abs().T) + 1e-30
+    err = (got.double() - ref).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_linear_from_packed_bytes_equals_the_dequantized_product(name, shape):
+    out_f, in_f = shape
+    fmt = FORMATS[name]
+    if fmt.codec.group and in_f % fmt.codec.group:
+        pytest.skip(f"{fmt.label} needs in_features in blocks of {fmt.codec.group}")
+    q = quantized(fmt, out_f, in_f, seed=out_f + in_f)
+    W = q.dequantize(torch.float64)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows))
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            assert_exact(cpu.linear(xd, q), xd, W)
+
+
+def test_fp8_inputs_not_a_multiple_of_16():
+    q = quantized(modelopt_format("FP8"), 9, 100, seed=1)
+    x = torch.randn(2, 100)
+    assert_exact(cpu.linear(x, q), x, q.dequantize(torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_e4m3_pattern_decodes_exactly(dtype):
+    """Row n of the weight holds the E4M3 byte n in all 16 places, scale 1: x = 1/16 reads each value alone
+    (exact products and sums): subnormals, both zeros, +-448 and NaN included."""
+    q = QuantLinear(modelopt_format("FP8_PER_CHANNEL_PER_TOKEN"), 16, 256)
+    with torch.no_grad():
+        q.weight.copy_(torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 16).contiguous().view(torch.float8_e4m3fn))
+        q.weight_scale.fill_(1.0)
+    y = cpu.linear(torch.full((1, 16), 1 / 16, dtype=dtype), q)[0]
+    want = torch.tensor([e4m3_value(b) for b in range(256)])
+    assert torch.equal(torch.isnan(y), torch.isnan(want))
+    assert torch.equal(y[~torch.isnan(want)], want[~torch.isnan(want)])
+
+
+def test_the_modules_use_the_kernels_and_never_dequantize(monkeypatch):
+    """A QuantLinear and a QuantExpertBank at Nano's widths on a few rows: no `dequantize` call, no allocation
+    during the forward reaching a quarter of one dense bf16 weight matrix (the profiler's memory events), and
+    the same result as the PyTorch path that dequantizes."""
+    E, I, H = 4, 1856, 2688
+    g = torch.Generator().manual_seed(0)
+    bank = ExpertBank(E, H, I)
+    with torch.no_grad():
+        bank.up_proj.copy_(torch.randn(E, I, H, generator=g) * 0.02)
+        bank.down_proj.copy_(torch.randn(E, H, I, generator=g) * 0.02)
+    fmt = modelopt_format("NVFP4")
+    qbank = QuantExpertBank.from_bank(bank, fmt, fmt, torch.ones(E), torch.ones(E))
+    qlin = quantized(modelopt_format("FP8"), I, H, seed=2)
+    x = torch.randn(3, H, generator=g).bfloat16()
+    ids, weights = torch.tensor([[0, 2], [2, 3], [1, 2]]), torch.rand(3, 2, generator=g)
+    calls = []
+    plain = PackedWeight.dequantize
+    monkeypatch.setattr(PackedWeight, "dequantize", lambda self, *a, **k: calls.append(self) or plain(self, *a, **k))
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                 profile_memory=True) as prof:
+        got_bank, got_lin = qbank(x, weights, ids), qlin(x)
+    assert calls == [] and got_bank.dtype == got_lin.dtype == torch.bfloat16
+    biggest = max(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert biggest < I * H * 2 / 4, biggest
+    with torch.no_grad():  # fp32, kernels against the PyTorch path
+        got_bank, got_lin = qbank(x.float(), weights, ids), qlin(x.float())
+        monkeypatch.setattr(kernels, "cpu_for", lambda x, fmt: None)
+        want_bank, want_lin = qbank(x.float(), weights, ids), qlin(x.float())
+    assert len(calls) > 0
+    for got, want in ((got_bank, want_bank), (got_lin, want_lin)):  # fp32 sums in another order
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+
+def test_prefill_sized_inputs_and_disabled_kernels(monkeypatch):
+    fmt = modelopt_format("FP8")
+    q = quantized(fmt, 40, 256, seed=4)
+    x = torch.randn(2, 300, 256)  # a prefill chunk: 600 rows, still straight from the packed bytes
+    assert kernels.cpu_for(x, fmt) is cpu
+    got = q(x)
+    assert_exact(got.reshape(-1, 40), x.reshape(-1, 256), q.dequantize(torch.float64))
+    monkeypatch.setenv("HYBRID_CPU_KERNELS", "0")
+    cpu.module.cache_clear()
+    try:
+        assert cpu.module() is None and kernels.cpu_for(torch.zeros(1, 64), fmt) is None
+        q = quantized(fmt, 8, 64, seed=3)
+        x = torch.randn(1, 64)
+        torch.testing.assert_close(q(x), x @ q.dequantize().T, rtol=0, atol=0)
+    finally:
+        monkeypatch.delenv("HYBRID_CPU_KERNELS")
+        cpu.module.cache_clear()
+    assert cpu.module() is not None
+
+
+def test_the_build_is_keyed_on_the_source_torch_and_cpu():
+    names = {cpu.build_name(b"a", "2.13", "avx512f"), cpu.build_name(b"b", "2.13", "avx512f"),
+             cpu.build_name(b"a", "2.14", "avx512f"), cpu.build_name(b"a", "2.13", "avx2")}
+    assert len(names) == 4 and all(n.startswith("hybrid_packed_") for n in names)
