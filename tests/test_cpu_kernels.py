@@ -149,3 +149,14 @@ def test_the_build_is_keyed_on_the_source_torch_and_cpu():
     names = {cpu.build_name(b"a", "2.13", "avx512f"), cpu.build_name(b"b", "2.13", "avx512f"),
              cpu.build_name(b"a", "2.14", "avx512f"), cpu.build_name(b"a", "2.13", "avx2")}
     assert len(names) == 4 and all(n.startswith("hybrid_packed_") for n in names)
+
+
+def test_the_portable_build_equals_the_dequantized_product_too():
+    """The loops a CPU without AVX-512 runs (compiled here with -mno-avx512f), every format, fp32 and bf16."""
+    ext = cpu.module(portable=True)
+    assert ext is not None and not ext.avx512() and not ext.bf16_inputs()
+    for name, fmt in sorted(FORMATS.items()):
+        q = quantized(fmt, 37, 96, seed=5)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(5, 96).to(dtype)
+            assert_exact(cpu.linear(x, q, ext=ext), x, q.dequantize(torch.float64))

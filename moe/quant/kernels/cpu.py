@@ -26,6 +26,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_packed.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for spreads the weight rows over the threads
+PORTABLE = ("-mno-avx512f",)  # the loops for CPUs without AVX-512 (the compiler vectorises them for AVX2)
 GRANULARITY = {"tensor": 0, "channel": 1, "block": 2}  # FP8 scale layouts, as the extension numbers them
 
 
@@ -39,18 +40,20 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_name(source: bytes, torch_version: str, cpu_flags: str) -> str:
+def build_name(source: bytes, torch_version: str, cpu_flags: str, flags: tuple[str, ...] = FLAGS) -> str:
     """The extension's name and cache directory: a digest of what the build depends on."""
-    key = hashlib.sha256(source + " ".join(FLAGS).encode() + torch_version.encode() + cpu_flags.encode())
+    key = hashlib.sha256(source + " ".join(flags).encode() + torch_version.encode() + cpu_flags.encode())
     return f"hybrid_packed_{key.hexdigest()[:16]}"
 
 
 @functools.cache
-def module():
-    """The compiled extension, built on first use; None when it is disabled or cannot be built."""
+def module(portable: bool = False):
+    """The compiled extension, built on first use; None when it is disabled or cannot be built.
+    `portable`: the build without AVX-512 (what a CPU without it runs; tests compare it too)."""
     if os.environ.get("HYBRID_CPU_KERNELS", "1") == "0":
         return None
-    name = build_name(SOURCE.read_bytes(), torch.__version__, _cpu_flags())
+    flags = FLAGS + PORTABLE if portable else FLAGS
+    name = build_name(SOURCE.read_bytes(), torch.__version__, _cpu_flags(), flags)
     directory = Path(os.environ.get("HYBRID_CACHE", Path.home() / ".cache" / "hybrid")) / "kernels" / name
     try:
         from torch.utils.cpp_extension import load
@@ -59,7 +62,7 @@ def module():
         if not any(directory.glob(f"{name}*.so")):
             print("compiling the packed-weight CPU kernels (once for this source, torch and CPU; about 30 s) ...",
                   file=sys.stderr, flush=True)
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
+        return load(name=name, sources=[str(SOURCE)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
                     build_directory=str(directory), verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path is always correct
         warnings.warn(f"packed-weight CPU kernels unavailable, using the PyTorch path ({type(e).__name__}: {e})",
@@ -92,7 +95,7 @@ def supports(fmt) -> bool:
     return fmt is not None and fmt.codec.name in KERNELS
 
 
-def linear(x: torch.Tensor, weight, expert: int | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, expert: int | None = None, ext=None) -> torch.Tensor:
     """x [R, K] (any float dtype) @ dequantize(W).T -> [R, N] float32, from the packed bytes
     of `weight` (a `moe.quant.PackedWeight`; of expert `expert` for a stack). bf16 inputs stay bf16 where the
     CPU has AVX512_BF16 (exact products in fp32 sums), others are converted to fp32."""
@@ -101,6 +104,6 @@ def linear(x: torch.Tensor, weight, expert: int | None = None) -> torch.Tensor:
     if expert is not None:
         t = {role: v[expert] for role, v in t.items()}
     data = t["data"].contiguous().view(torch.uint8)
-    ext = module()
+    ext = ext or module()
     x = x.contiguous() if x.dtype == torch.bfloat16 and ext.bf16_inputs() else x.float().contiguous()
     return KERNELS[fmt.codec.name](ext, x, data, t, fmt)
