@@ -1,8 +1,8 @@
 """Model-agnostic Mixture-of-Experts: router maths, every expert-bank implementation, token dispatch.
 
     router.py       route, TopkRouter (sigmoid scores, bias-corrected grouped top-k)
-    experts.py      relu2, dispatch, ExpertBank (float), QuantExpertBank (packed), PrepackedExpertBank (oneDNN)
-    prepack.py      prepack / unpack a model's bf16 weights for oneDNN
+    experts.py      relu2, dispatch, ExpertBank (float), QuantExpertBank (packed), PrepackedExpertBank (bf16, CPU)
+    prepack.py      prepack / unpack a model's bf16 weights for the CPU kernels
     calibration.py  InputAmax: input statistics for static activation scales, by forward hooks
     quant/          weight formats and packed Linear modules (imports nothing else of `moe`)
 

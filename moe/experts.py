@@ -7,7 +7,7 @@ tensor per expert (`experts.{j}.up_proj.weight`); the loader stacks them into `u
     ExpertBank           float stacks (the reference)
     QuantExpertBank      packed stacks (`moe.quant.PackedWeight`: FP8, NVFP4, MXFP4, ...); an expert's float
                          weights exist only while its matmul runs (none at all in the fused Triton path)
-    PrepackedExpertBank  bf16 experts prepacked for oneDNN (`moe.quant.prepacked`), CPU inference
+    PrepackedExpertBank  bf16 experts prepacked for CPU inference (`moe.quant.prepacked`, `moe.quant.kernels.bf16`)
 
 All three share `dispatch`: the (token, expert) pairs are sorted by expert and gathered once, each chosen
 expert runs over its contiguous slice of tokens, experts nobody chose are never touched, and the weighted
@@ -24,7 +24,7 @@ from torch import nn
 
 from moe.quant.codec import QuantFormat
 from moe.quant import kernels
-from moe.quant.kernels import onednn
+from moe.quant.kernels import bf16
 from moe.quant.packed import PackedWeight
 from moe.quant.prepacked import Prepacked
 
@@ -180,7 +180,8 @@ class QuantExpertBank(nn.Module):
 
 # ------------------------------------------------------------------------------------------ prepacked
 class PrepackedExpertBank(Prepacked):
-    """An inference-only `ExpertBank` (bf16, CPU) holding each expert's two matrices prepacked for oneDNN.
+    """An inference-only `ExpertBank` (bf16, CPU) holding each expert's two matrices prepacked
+    (`moe.quant.kernels.bf16`).
 
     Shapes as `ExpertBank`. The ReLU of squared ReLU is fused into the up projection.
     """
@@ -193,22 +194,22 @@ class PrepackedExpertBank(Prepacked):
         self.shapes = {"up_proj": tuple(source.up_proj.shape), "down_proj": tuple(source.down_proj.shape)}
         self.up, self.down = [], []
         for up, down in experts if experts is not None else (source.weights_of(e) for e in range(self.n_experts)):
-            self.up.append(onednn.pack(up))
-            self.down.append(onednn.pack(down))
+            self.up.append(bf16.pack(up))
+            self.down.append(bf16.pack(down))
 
     @property
     def up_proj(self) -> torch.Tensor:
         """[E, I, L] dense (a copy)."""
-        return torch.stack([w.to_dense() for w in self.up])
+        return torch.stack([bf16.unpack(w) for w in self.up])
 
     @property
     def down_proj(self) -> torch.Tensor:
         """[E, L, I] dense (a copy)."""
-        return torch.stack([w.to_dense() for w in self.down])
+        return torch.stack([bf16.unpack(w) for w in self.down])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return dispatch(x, weights, ids, self.n_experts, lambda e, part: onednn.linear(
-            onednn.linear(part, self.up[e], relu=True).square(), self.down[e]))
+        return dispatch(x, weights, ids, self.n_experts, lambda e, part: bf16.linear(
+            bf16.linear(part, self.up[e], relu=True).square(), self.down[e]))
 
     def to_plain(self) -> ExpertBank:
         """The `ExpertBank` with these weights (dense copies)."""
@@ -225,4 +226,4 @@ class PrepackedExpertBank(Prepacked):
         return self.up_proj if name == "up_proj" else self.down_proj
 
     def repack(self, name: str, dense: torch.Tensor) -> None:
-        setattr(self, "up" if name == "up_proj" else "down", [onednn.pack(w) for w in dense])
+        setattr(self, "up" if name == "up_proj" else "down", [bf16.pack(w) for w in dense])

@@ -72,6 +72,19 @@ def test_linear_from_packed_bytes_equals_the_dequantized_product(name, shape):
             assert_exact(cpu.linear(xd, q), xd, W)
 
 
+@pytest.mark.skipif(not cpu.module().bf16_inputs(), reason="no AVX512_BF16 + AVX512_VBMI build on this CPU")
+@pytest.mark.parametrize("shape", [(1856, 2688), (2688, 1856), (7, 100)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bf16_weights_dot_product(shape):
+    """The plain bf16 form of the prepacked modules (`moe.quant.kernels.bf16`): exact products, fp32 sums;
+    K = 100: a partial 32-element step."""
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f)
+    W = (torch.randn(out_f, in_f, generator=g) * 0.02).bfloat16()
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        assert_exact(cpu.module().bf16_linear(x, W), x, W.double())
+
+
 def test_fp8_inputs_not_a_multiple_of_16():
     q = quantized(modelopt_format("FP8"), 9, 100, seed=1)
     x = torch.randn(2, 100)
@@ -90,6 +103,35 @@ def test_every_e4m3_pattern_decodes_exactly(dtype):
     want = torch.tensor([e4m3_value(b) for b in range(256)])
     assert torch.equal(torch.isnan(y), torch.isnan(want))
     assert torch.equal(y[~torch.isnan(want)], want[~torch.isnan(want)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+def test_every_fp4_scale_byte_decodes_exactly(name, dtype):
+    """Row n holds the code for 1.0 everywhere and the scale byte n in its one block: with x = 1 / block the
+    output is the scale's value alone: E4M3 (NVFP4) and E8M0 (MXFP4) scales, 2^-127, NaN and zeros included."""
+    fmt = FORMATS[name]
+    group = fmt.codec.group
+    q = QuantLinear(fmt, group, 256)
+    with torch.no_grad():
+        q.role("data").view(torch.uint8).fill_(0x22)  # E2M1 code 2 = 1.0 in both nibbles
+        q.role("scale").view(torch.uint8).copy_(torch.arange(256, dtype=torch.uint8)[:, None])
+        if q.role("global") is not None:
+            q.role("global").fill_(1.0)
+    y = cpu.linear(torch.full((1, group), 1 / group, dtype=dtype), q)[0]
+    want = q.dequantize(torch.float64)[:, 0]
+    assert torch.equal(torch.isnan(y), torch.isnan(want))
+    assert torch.equal(y[~torch.isnan(want)].double(), want[~torch.isnan(want)])
+
+
+def test_fp8_blocks_narrower_than_a_bf16_chunk():
+    """FP8 blocks of 32 cut the 64-element bf16 chunks: bf16 inputs then take the fp32 products."""
+    base = FORMATS["fp8-block"]
+    fmt = base.__class__(base.codec, base.layout.__class__(**{**vars(base.layout), "block": 32}))
+    q = quantized(fmt, 70, 200, seed=6)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 200).to(dtype)
+        assert_exact(cpu.linear(x, q), x, q.dequantize(torch.float64))
 
 
 def test_the_modules_use_the_kernels_and_never_dequantize(monkeypatch):

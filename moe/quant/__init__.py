@@ -7,9 +7,9 @@
     config.py                    ModelOpt, compressed-tensors and `mxfp4` quantization configs -> a format per
                                  module name; ModelOpt's files, written
     packed.py, linear.py         PackedWeight (a weight held as its packed tensors), QuantLinear
-    prepacked.py                 bf16 weights prepacked for oneDNN (PrepackedLinear)
+    prepacked.py                 bf16 weights prepacked for the CPU kernels (PrepackedLinear)
     swap.py                      swap_modules: the one module-swapping loop
-    kernels/                     oneDNN and Triton kernels, and the seam choosing them
+    kernels/                     CPU (C++, oneDNN) and Triton kernels, and the seams choosing them
 
 Modules are addressed by their dotted names only.
 """

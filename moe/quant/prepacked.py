@@ -1,4 +1,5 @@
-"""Modules whose bf16 weights are held prepacked for oneDNN (`moe.quant.kernels.onednn`), for CPU inference.
+"""Modules whose bf16 weights are held prepacked for CPU inference (`moe.quant.kernels.bf16`: as a plain copy
+for this project's dot-product kernel where the CPU has it, else in oneDNN's blocked layout).
 
 `Prepacked` is what every such module shares (`PrepackedLinear` here, `moe.experts.PrepackedExpertBank`):
 the math is that of the plain module it replaces (bf16 inputs and weights, fp32 accumulation, bf16 output;
@@ -16,11 +17,11 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from moe.quant.kernels import onednn
+from moe.quant.kernels import bf16
 
 
 class Prepacked(nn.Module):
-    """The interface of a module holding oneDNN-prepacked weights: `dense_shapes()` names the dense tensors
+    """The interface of a module holding prepacked bf16 weights: `dense_shapes()` names the dense tensors
     it stands for, `dense_tensors()` reads them back one at a time, `repack(name, dense)` replaces one,
     `to_plain()` gives the plain module back."""
 
@@ -70,7 +71,7 @@ class Prepacked(nn.Module):
     def _apply(self, fn, recurse=True):
         probe = fn(torch.empty(0, dtype=torch.bfloat16))
         if probe.dtype != torch.bfloat16 or probe.device.type != "cpu":
-            raise RuntimeError("a model with oneDNN-prepacked weights stays bf16 on the CPU: load it in the dtype and "
+            raise RuntimeError("a model with prepacked weights stays bf16 on the CPU: load it in the dtype and "
                                "on the device you need, or with prepack=False")
         return super()._apply(fn, recurse)
 
@@ -83,16 +84,16 @@ class PrepackedLinear(Prepacked):
         bias is kept either way)."""
         super().__init__()
         self.in_features, self.out_features = source.in_features, source.out_features
-        self.packed = onednn.pack(source.weight if weight is None else weight)
+        self.packed = bf16.pack(source.weight if weight is None else weight)
         self.bias = source.bias
 
     @property
     def weight(self) -> torch.Tensor:
         """The dense weight [out, in] bf16 (a copy read back from the packed layout)."""
-        return self.packed.to_dense()
+        return bf16.unpack(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn.linear(x, self.packed, self.bias)
+        return bf16.linear(x, self.packed, self.bias)
 
     def to_plain(self) -> nn.Linear:
         """The `nn.Linear` with these weights (dense copies)."""
@@ -108,7 +109,7 @@ class PrepackedLinear(Prepacked):
         return self.weight
 
     def repack(self, name: str, dense: torch.Tensor) -> None:
-        self.packed = onednn.pack(dense)
+        self.packed = bf16.pack(dense)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -1,5 +1,7 @@
 """Low-level compute kernels for the packed modules, and the seam that picks one.
 
+    bf16.py     bf16 matrix products for the prepacked modules (CPU): the extension's dot-product kernel on a
+                plain copy of the weight for decode rows, or oneDNN (onednn.py) on its blocked layout
     onednn.py   bf16 matrix products on prepacked oneDNN weights (CPU)
     cpu.py      FP8 / NVFP4 / MXFP4 products straight from the packed bytes (CPU; the C++ extension
                 cpu_packed.cpp, compiled on first use)

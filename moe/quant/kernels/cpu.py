@@ -1,4 +1,5 @@
-"""Packed FP8 / NVFP4 / MXFP4 matrix products on the CPU, straight from the packed bytes (`cpu_packed.cpp`).
+"""Packed FP8 / NVFP4 / MXFP4 matrix products on the CPU, straight from the packed bytes (`cpu_packed.cpp`;
+its bf16 x bf16 dot-product kernel serves `moe.quant.kernels.bf16`).
 
 Each weight is read once per call in its packed form and decoded in registers; no dequantized copy exists,
 for any number of input rows (decode: 1 to 16; a 512-token prefill chunk: measured as fast as dequantizing

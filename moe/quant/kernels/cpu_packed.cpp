@@ -1,9 +1,12 @@
 // Matrix products with packed low-bit weights on the CPU: y[r, n] = sum_k x[r, k] * W[n, k], each weight
 // element decoded from its packed bytes in registers and never stored dense. Streaming the weight once per
-// call, it serves decode (1 to 16 rows: bound by decoding, 8-16 GB/s of packed bytes on 2 cores) and prefill
-// chunks alike (512 rows of a 1,856 x 2,688 FP8 matrix as fast as dequantizing it and multiplying). Built on first use by moe/quant/kernels/cpu.py (torch.utils.cpp_extension), -O3
-// -march=native: the AVX-512 path where the CPU has it, the portable loops (which the compiler vectorises
-// for AVX2) elsewhere. Both equal the dequantized product up to the order of the fp32 sums.
+// call, it serves decode (1 to 16 rows) and prefill chunks alike. Built on first use by
+// moe/quant/kernels/cpu.py (torch.utils.cpp_extension), -O3 -march=native: three paths, chosen at compile
+// time by the CPU's features, all equal to the dequantized product up to the order of the fp32 sums:
+//   - bf16 inputs with AVX512_BF16 + AVX512_VBMI (a bf16 model): weights decoded to bf16 by byte and word
+//     table lookups, exact bf16 dot products (`vdpbf16ps`) into fp32 sums;
+//   - fp32 inputs with AVX-512 (and bf16 inputs without those two): weights decoded to fp32, fp32 FMAs;
+//   - portable loops elsewhere (the compiler vectorises them for AVX2).
 //
 // Formats (the layouts of moe/quant/fp8.py, nvfp4.py, mxfp4.py):
 //   FP8    q uint8 [N, K] (E4M3 bits), scale fp32: per tensor [1], per channel [N], or per block
@@ -18,15 +21,33 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <vector>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define HYBRID_BF16_DOT 1
+#endif
 
 namespace {
 
-bool bf16_inputs();
+bool bf16_inputs() {
+#if defined(HYBRID_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool avx512() {
+#if defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
                              -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
@@ -53,14 +74,13 @@ const Tables kTables;
 void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k_per_row) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kFloat ||
               (x.scalar_type() == torch::kBFloat16 && bf16_inputs())), "x must be [R, K] float32 (or bfloat16 "
-              "where AVX512_BF16 was compiled)");
+              "where AVX512_BF16 and AVX512_VBMI were compiled)");
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "packed data must be uint8 [N, *]");
   TORCH_CHECK(w.size(1) == k_per_row, "packed data has ", w.size(1), " bytes per row, expected ", k_per_row);
 }
 
-// ---------------------------------------------------------------------------------------------- FP8
 #if defined(__AVX512F__)
-inline __m512 decode_e4m3(__m128i bytes) {
+inline __m512 decode_e4m3(__m128i bytes) {  // 16 E4M3 bytes -> 16 fp32, exactly
   const __m512i v = _mm512_cvtepu8_epi32(bytes);
   const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7F));
   const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
@@ -71,17 +91,237 @@ inline __m512 decode_e4m3(__m128i bytes) {
   f = _mm512_mask_mov_ps(f, _mm512_cmpeq_epi32_mask(mag, _mm512_set1_epi32(0x7F)), _mm512_set1_ps(NAN));
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
+
+inline __m512 decode_e8m0(__m128i bytes) {  // 16 E8M0 bytes -> 16 fp32: the exponent field; 0 is 2^-127, 255 NaN
+  const __m512i v = _mm512_cvtepu8_epi32(bytes);
+  __m512i f = _mm512_slli_epi32(v, 23);
+  f = _mm512_mask_mov_epi32(f, _mm512_cmpeq_epi32_mask(v, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+  f = _mm512_mask_mov_epi32(f, _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(f);
+}
 #endif
 
 // The products run on tiles of kTileN weight rows x up to kTileR input rows, so each decoded weight vector
-// meets every input row and each input vector every weight row while they are in registers, and the
+// meets every input row and each input vector every weight row while they are in registers (or L1), and the
 // kTileN x kTileR accumulators are independent (no single dependency chain). A tile past the last weight
 // row repeats that row; its results are dropped.
 constexpr int kTileN = 4, kTileR = 4;
 
-// part[j][r] = sum_{i < len} x[r * ldx + i] * e4m3(w[j][i])
+// A tile reads its kTileN weight rows as as many short streams, and the hardware prefetchers lose the pace
+// at each jump to the next tile; asking for the same bytes of the next tile's rows (the rows are
+// contiguous: kTileN rows of `row_bytes` further) one tile ahead, into L2, keeps DRAM busy. Measured on the
+// FP8 decode of Nano's 1,856 x 2,688 expert projections (2 threads, 120 MB of weights): 22 -> 31 GB/s, the
+// bandwidth of a PyTorch sum on the same machine being 33.
+inline void prefetch_next_tile(const uint8_t* p, int64_t row_bytes) {
+#if defined(__AVX512F__)
+  _mm_prefetch(reinterpret_cast<const char*>(p + kTileN * row_bytes), _MM_HINT_T1);
+#endif
+}
+
+struct Fp4Rows {
+  const uint8_t* codes[kTileN];
+  const uint8_t* scales[kTileN];
+};
+
+// ---------------------------------------------------------------------------------------------- bf16 inputs
+// The weights are decoded to bf16 exactly (an E4M3 value and an E2M1 code both fit bf16's 8-bit significand)
+// and `vdpbf16ps` multiplies pairs of bf16 exactly and adds them into fp32 lanes; scales multiply those fp32
+// sums. A decoder emits a chunk's elements in a fixed order, so x is first put in the same order chunk by
+// chunk (`reorder`, zero padded to whole chunks); a masked load past a weight row's end reads bytes 0, which
+// decode to +0.
+#if defined(HYBRID_BF16_DOT)
+constexpr int64_t kFp8Chunk = 64, kFp4Chunk = 128;  // elements per chunk (64 packed bytes)
+
+struct Bf16Tables {
+  alignas(64) uint8_t e4m3_hi[128], e4m3_lo[128];  // the bf16 bits of e4m3(m) for magnitudes m (127: NaN)
+  alignas(64) uint16_t e2m1[32];                    // the bf16 bits of e2m1(i & 15)
+  static uint16_t bits(float f) {  // exact for these values: at most 3 mantissa bits
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>(u >> 16);
+  }
+  Bf16Tables() {
+    for (int m = 0; m < 128; ++m) {
+      const uint16_t b = m == 127 ? 0x7FC0 : bits(e4m3(static_cast<uint8_t>(m)));
+      e4m3_hi[m] = static_cast<uint8_t>(b >> 8);
+      e4m3_lo[m] = static_cast<uint8_t>(b & 0xFF);
+    }
+    for (int i = 0; i < 32; ++i) e2m1[i] = bits(kE2M1[i & 15]);
+  }
+};
+const Bf16Tables kBf16;
+
+// out[r, c + p] = x[r, c + element(p)] for each chunk start c; bf16 rows, zero past K
+template <typename Element>
+torch::Tensor reorder(const torch::Tensor& x, int64_t chunk, Element element) {
+  const int64_t R = x.size(0), K = x.size(1), Kp = (K + chunk - 1) / chunk * chunk;
+  auto out = torch::empty({R, Kp}, x.options());
+  const uint16_t* in = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t c = 0; c < Kp; c += chunk)
+        for (int64_t p = 0; p < chunk; ++p) {
+          const int64_t e = c + element(p);
+          o[r * Kp + c + p] = e < K ? in[r * K + e] : 0;
+        }
+  });
+  return out;
+}
+
+// FP8: 64 E4M3 bytes -> two vectors of 32 bf16. The high byte of each bf16 comes from a 128-entry table on
+// the byte's magnitude (its low 7 bits) with the byte's sign bit or-ed in, the low byte from another; the
+// byte interleave then puts element 16L + t in word 8L + t of `a` and element 16L + 8 + t in word 8L + t of
+// `b` (L: the 128-bit lane, t < 8).
+inline int64_t fp8_element(int64_t p) { return 16 * ((p % 32) / 8) + 8 * (p / 32) + p % 8; }
+
+struct E4m3ToBf16 {
+  __m512i hi0 = _mm512_load_si512(kBf16.e4m3_hi), hi1 = _mm512_load_si512(kBf16.e4m3_hi + 64);
+  __m512i lo0 = _mm512_load_si512(kBf16.e4m3_lo), lo1 = _mm512_load_si512(kBf16.e4m3_lo + 64);
+  void operator()(__m512i bytes, __m512i& a, __m512i& b) const {
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, bytes, hi1), bytes,
+                                                 _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // t | (b & s)
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, bytes, lo1);
+    a = _mm512_unpacklo_epi8(lo, hi);
+    b = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+
+// part[j][r] = sum_{i < len} x[r, i] * e4m3(w[j][i]), x in FP8 chunk order (row strides: ldw bytes, ldx)
 template <int RT>
-void fp8_tile(const uint8_t* const* w, const float* x, int64_t ldx, int64_t len, float part[kTileN][kTileR]) {
+void fp8_tile_dot(const uint8_t* const* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t len,
+                  float part[kTileN][kTileR]) {
+  const E4m3ToBf16 decode;
+  __m512 acc[kTileN][RT];
+  for (int j = 0; j < kTileN; ++j)
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += kFp8Chunk) {
+    const int64_t n = std::min<int64_t>(kFp8Chunk, len - i);
+    const __mmask64 m = n == 64 ? ~0ull : (1ull << n) - 1;
+    for (int j = 0; j < kTileN; ++j) {
+      prefetch_next_tile(w[j] + i, ldw);
+      __m512i a, b;
+      decode(_mm512_maskz_loadu_epi8(m, w[j] + i), a, b);
+      for (int r = 0; r < RT; ++r) {
+        const uint16_t* xr = x + r * ldx + i;
+        acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)_mm512_loadu_si512(xr), (__m512bh)a);
+        acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)_mm512_loadu_si512(xr + 32), (__m512bh)b);
+      }
+    }
+  }
+  for (int j = 0; j < kTileN; ++j)
+    for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+}
+
+// FP4: 64 code bytes (128 elements) -> four vectors of 32 bf16: word i of vector s is element 4i + s, nibble
+// s of the 16-bit word i of the codes (a word table lookup; the table repeats over the index's fifth bit).
+// Lane j of a dot product then sums elements 8j + s and 8j + 4 + s: all of scale block j / 2 (NVFP4, 16
+// elements) or j / 4 (MXFP4, 32), whose scales `spread` puts in lane j.
+inline int64_t fp4_element(int64_t p) { return 4 * (p % 32) + p / 32; }
+
+// part[j][r] = sum over the chunks of x . (e2m1(codes) * scale(block)), x in FP4 chunk order (stride ldx)
+template <int RT>
+void fp4_tile_dot(const Fp4Rows& w, const uint16_t* x, int64_t ldx, int64_t K, int64_t group, bool e8m0_scales,
+                  float part[kTileN][kTileR]) {
+  const int64_t chunks = (K + kFp4Chunk - 1) / kFp4Chunk, G = K / group, per_chunk = kFp4Chunk / group;
+  const __m512i lut = _mm512_load_si512(kBf16.e2m1);
+  const __m128i spread = group == 16 ? _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
+                                     : _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  __m512 acc[kTileN][RT];
+  for (int j = 0; j < kTileN; ++j)
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t bytes = std::min<int64_t>(64, K / 2 - 64 * c), blocks = std::min(per_chunk, G - per_chunk * c);
+    const __mmask64 cm = bytes == 64 ? ~0ull : (1ull << bytes) - 1;
+    const __mmask16 sm = static_cast<__mmask16>((1u << blocks) - 1);
+    for (int j = 0; j < kTileN; ++j) {
+      prefetch_next_tile(w.codes[j] + 64 * c, K / 2);
+      prefetch_next_tile(w.scales[j] + per_chunk * c, G);
+      const __m512i v = _mm512_maskz_loadu_epi8(cm, w.codes[j] + 64 * c);
+      const __m512i w0 = _mm512_permutexvar_epi16(v, lut);
+      const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
+      const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), lut);
+      const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), lut);
+      const __m128i sb = _mm_shuffle_epi8(_mm_maskz_loadu_epi8(sm, w.scales[j] + per_chunk * c), spread);
+      const __m512 s = e8m0_scales ? decode_e8m0(sb) : decode_e4m3(sb);
+      for (int r = 0; r < RT; ++r) {
+        const uint16_t* xr = x + r * ldx + kFp4Chunk * c;
+        __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xr), (__m512bh)w0);
+        t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(xr + 32), (__m512bh)w1);
+        t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(xr + 64), (__m512bh)w2);
+        t = _mm512_dpbf16_ps(t, (__m512bh)_mm512_loadu_si512(xr + 96), (__m512bh)w3);
+        acc[j][r] = _mm512_fmadd_ps(t, s, acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < kTileN; ++j)
+    for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+}
+// bf16 weights: no decoding at all; the rows pair up as `vdpbf16ps` wants them, x in natural order
+// part[j][r] = sum_{i < len} x[r, i] * w[j][i] (row strides: ldw, ldx elements)
+template <int RT>
+void bf16_tile_dot(const uint16_t* const* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t len,
+                   float part[kTileN][kTileR]) {
+  __m512 acc[kTileN][RT];
+  for (int j = 0; j < kTileN; ++j)
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < len; i += 32) {
+    const int64_t n = std::min<int64_t>(32, len - i);
+    const __mmask32 m = n == 32 ? 0xFFFFFFFFu : (1u << n) - 1;
+    for (int j = 0; j < kTileN; ++j) {
+      prefetch_next_tile(reinterpret_cast<const uint8_t*>(w[j] + i), 2 * ldw);
+      const __m512i wv = _mm512_maskz_loadu_epi16(m, w[j] + i);
+      for (int r = 0; r < RT; ++r)
+        acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * ldx + i), (__m512bh)wv);
+    }
+  }
+  for (int j = 0; j < kTileN; ++j)
+    for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+}
+
+// x [R, K] bf16 @ w [N, K] bf16 .T -> [R, N] fp32 (exact products, fp32 sums)
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
+  const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be [R, K] bfloat16");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(1) == K,
+              "w must be contiguous bfloat16 [N, ", K, "]");
+  auto y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    float part[kTileN][kTileR];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      int64_t n[kTileN];
+      const uint16_t* wr[kTileN];
+      for (int j = 0; j < kTileN; ++j) {
+        n[j] = std::min(tile * kTileN + j, N - 1);
+        wr[j] = wp + n[j] * K;
+      }
+      for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
+        const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
+        const uint16_t* x0 = xp + r0 * K;
+        switch (rt) {
+          case 1: bf16_tile_dot<1>(wr, K, x0, K, K, part); break;
+          case 2: bf16_tile_dot<2>(wr, K, x0, K, K, part); break;
+          case 3: bf16_tile_dot<3>(wr, K, x0, K, K, part); break;
+          default: bf16_tile_dot<4>(wr, K, x0, K, K, part); break;
+        }
+        for (int j = 0; j < kTileN && tile * kTileN + j < N; ++j)
+          for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r];
+      }
+    }
+  });
+  return y;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------- FP8
+// part[j][r] = sum_{i < len} x[r * ldx + i] * e4m3(w[j][i]) (weight row stride: ldw bytes)
+template <int RT>
+void fp8_tile(const uint8_t* const* w, int64_t ldw, const float* x, int64_t ldx, int64_t len,
+              float part[kTileN][kTileR]) {
 #if defined(__AVX512F__)
   __m512 acc[kTileN][RT];
   for (int j = 0; j < kTileN; ++j)
@@ -92,6 +332,7 @@ void fp8_tile(const uint8_t* const* w, const float* x, int64_t ldx, int64_t len,
     __m512 xv[RT];
     for (int r = 0; r < RT; ++r) xv[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + i);
     for (int j = 0; j < kTileN; ++j) {
+      if (i % 64 == 0) prefetch_next_tile(w[j] + i, ldw);
       const __m512 wv = decode_e4m3(_mm_maskz_loadu_epi8(m, w[j] + i));
       for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_fmadd_ps(xv[r], wv, acc[j][r]);
     }
@@ -108,16 +349,26 @@ void fp8_tile(const uint8_t* const* w, const float* x, int64_t ldx, int64_t len,
 #endif
 }
 
-template <int RT>
-void fp8_tile_bf16(const uint8_t* const* w, const uint16_t* x, int64_t ldx, int64_t len, float part[kTileN][kTileR]);
-
-void fp8_tile_rows(int rt, const uint8_t* const* w, const float* x, int64_t ldx, int64_t len,
+// The FP8 tile for rt input rows at x (fp32, or bf16 in FP8 chunk order), row stride ldx
+void fp8_tile_rows(int rt, const uint8_t* const* w, int64_t ldw, const void* x, bool bf16, int64_t ldx, int64_t len,
                    float part[kTileN][kTileR]) {
+#if defined(HYBRID_BF16_DOT)
+  if (bf16) {
+    const auto* xh = static_cast<const uint16_t*>(x);
+    switch (rt) {
+      case 1: return fp8_tile_dot<1>(w, ldw, xh, ldx, len, part);
+      case 2: return fp8_tile_dot<2>(w, ldw, xh, ldx, len, part);
+      case 3: return fp8_tile_dot<3>(w, ldw, xh, ldx, len, part);
+      default: return fp8_tile_dot<4>(w, ldw, xh, ldx, len, part);
+    }
+  }
+#endif
+  const auto* xf = static_cast<const float*>(x);
   switch (rt) {
-    case 1: fp8_tile<1>(w, x, ldx, len, part); break;
-    case 2: fp8_tile<2>(w, x, ldx, len, part); break;
-    case 3: fp8_tile<3>(w, x, ldx, len, part); break;
-    default: fp8_tile<4>(w, x, ldx, len, part); break;
+    case 1: return fp8_tile<1>(w, ldw, xf, ldx, len, part);
+    case 2: return fp8_tile<2>(w, ldw, xf, ldx, len, part);
+    case 3: return fp8_tile<3>(w, ldw, xf, ldx, len, part);
+    default: return fp8_tile<4>(w, ldw, xf, ldx, len, part);
   }
 }
 
@@ -126,14 +377,24 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
   const int64_t R = x.size(0), K = x.size(1), N = q.size(0);
   check(x, q, K);
   TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous(), "scale must be contiguous float32");
+  const int64_t span = granularity == 2 ? block : K, block_cols = (K + block - 1) / block;
+  bool bf16 = x.scalar_type() == torch::kBFloat16;
+  if (bf16 && granularity == 2 && block % 64) {  // blocks that cut a bf16 chunk: fp32 products
+    x = x.to(torch::kFloat);
+    bf16 = false;
+  }
+#if defined(HYBRID_BF16_DOT)
+  const auto xs = bf16 ? reorder(x, kFp8Chunk, fp8_element) : x;
+#else
+  const auto& xs = x;
+#endif
+  const int64_t ldx = xs.size(1);
+  const char* xp = static_cast<const char*>(xs.data_ptr());
+  const int64_t esize = xs.element_size();
   auto y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  const float* xp = bf16 ? nullptr : x.data_ptr<float>();
-  const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t span = granularity == 2 ? block : K, block_cols = (K + block - 1) / block;
   const int64_t tiles = (N + kTileN - 1) / kTileN;
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     float part[kTileN][kTileR];
@@ -146,20 +407,7 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
         float sum[kTileN][kTileR] = {};
         for (int64_t k0 = 0; k0 < K; k0 += span) {
           for (int j = 0; j < kTileN; ++j) w[j] = qp + n[j] * K + k0;
-          const int64_t len = std::min(span, K - k0);
-          if (bf16) {
-#if defined(__AVX512BF16__)
-            const uint16_t* x0 = xh + r0 * K + k0;
-            switch (rt) {
-              case 1: fp8_tile_bf16<1>(w, x0, K, len, part); break;
-              case 2: fp8_tile_bf16<2>(w, x0, K, len, part); break;
-              case 3: fp8_tile_bf16<3>(w, x0, K, len, part); break;
-              default: fp8_tile_bf16<4>(w, x0, K, len, part); break;
-            }
-#endif
-          } else {
-            fp8_tile_rows(rt, w, xp + r0 * K + k0, K, len, part);
-          }
+          fp8_tile_rows(rt, w, K, xp + (r0 * ldx + k0) * esize, bf16, ldx, std::min(span, K - k0), part);
           for (int j = 0; j < kTileN; ++j) {
             const float s = granularity == 0 ? sp[0] : granularity == 1 ? sp[n[j]]
                                                      : sp[(n[j] / block) * block_cols + k0 / block];
@@ -175,19 +423,14 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
 }
 
 // ---------------------------------------------------------------------------------------------- FP4
-// x is first laid out per 32-element chunk as its 16 even elements then its 16 odd ones, the order in which
-// the low and high nibbles of 16 packed bytes come out (K padded to a multiple of 32 with zeros).
+// fp32 x is first laid out per 32-element chunk as its 16 even elements then its 16 odd ones, the order in
+// which the low and high nibbles of 16 packed bytes come out (K padded to a multiple of 32 with zeros).
 torch::Tensor split_even_odd(const torch::Tensor& x) {
   const int64_t R = x.size(0), K = x.size(1), Kp = (K + 31) / 32 * 32;
   auto padded = torch::zeros({R, Kp}, x.options());
   padded.narrow(1, 0, K).copy_(x);
   return padded.view({R, Kp / 32, 16, 2}).transpose(2, 3).contiguous().view({R, Kp});
 }
-
-struct Fp4Rows {
-  const uint8_t* codes[kTileN];
-  const uint8_t* scales[kTileN];
-};
 
 // part[j][r] = sum over the row's chunks of x . (e2m1(codes) * scale(block)), before the global multiplier
 template <int RT>
@@ -208,6 +451,8 @@ void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t
       xo[r] = _mm512_loadu_ps(xs + r * ldx + c * 32 + 16);
     }
     for (int j = 0; j < kTileN; ++j) {
+      if (c % 4 == 0) prefetch_next_tile(w.codes[j] + c * 16, K / 2);
+      if (c % 4 == 0) prefetch_next_tile(w.scales[j] + c * 32 / group, G);
       const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.codes[j] + c * 16));
       __m512 s;
       if (group == 32) {
@@ -240,9 +485,29 @@ void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t
 #endif
 }
 
-template <int RT>
-void fp4_tile_bf16(const Fp4Rows& w, const uint16_t* x, int64_t ldx, int64_t K, int64_t group, const float* table,
-                   float part[kTileN][kTileR]);
+// The FP4 tile for rt input rows at x (fp32 split even / odd, or bf16 in FP4 chunk order), row stride ldx
+void fp4_tile_rows(int rt, const Fp4Rows& w, const void* x, bool bf16, int64_t ldx, int64_t K, int64_t group,
+                   bool e8m0_scales, float part[kTileN][kTileR]) {
+#if defined(HYBRID_BF16_DOT)
+  if (bf16) {
+    const auto* xh = static_cast<const uint16_t*>(x);
+    switch (rt) {
+      case 1: return fp4_tile_dot<1>(w, xh, ldx, K, group, e8m0_scales, part);
+      case 2: return fp4_tile_dot<2>(w, xh, ldx, K, group, e8m0_scales, part);
+      case 3: return fp4_tile_dot<3>(w, xh, ldx, K, group, e8m0_scales, part);
+      default: return fp4_tile_dot<4>(w, xh, ldx, K, group, e8m0_scales, part);
+    }
+  }
+#endif
+  const auto* xf = static_cast<const float*>(x);
+  const float* table = e8m0_scales ? kTables.e8m0 : kTables.e4m3;
+  switch (rt) {
+    case 1: return fp4_tile<1>(w, xf, ldx, K, group, table, part);
+    case 2: return fp4_tile<2>(w, xf, ldx, K, group, table, part);
+    case 3: return fp4_tile<3>(w, xf, ldx, K, group, table, part);
+    default: return fp4_tile<4>(w, xf, ldx, K, group, table, part);
+  }
+}
 
 // group 16 with E4M3 scales (NVFP4) or 32 with E8M0 scales (MXFP4); `mult` multiplies every weight
 torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group, bool e8m0_scales,
@@ -253,14 +518,17 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   TORCH_CHECK(scales.scalar_type() == torch::kUInt8 && scales.is_contiguous() && scales.size(0) == N &&
               scales.size(1) == K / group, "scales must be uint8 [N, K / group]");
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
-  const auto xs = bf16 ? x : split_even_odd(x);  // bf16: natural order, each pair of elements in one lane
-  const int64_t Kp = xs.size(1), G = K / group, tiles = (N + kTileN - 1) / kTileN;
+#if defined(HYBRID_BF16_DOT)
+  const auto xs = bf16 ? reorder(x, kFp4Chunk, fp4_element) : split_even_odd(x);
+#else
+  const auto xs = split_even_odd(x);
+#endif
+  const int64_t ldx = xs.size(1), G = K / group, tiles = (N + kTileN - 1) / kTileN;
+  const char* xp = static_cast<const char*>(xs.data_ptr());
+  const int64_t esize = xs.element_size();
   auto y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
-  const float* xp = bf16 ? nullptr : xs.data_ptr<float>();
-  const uint16_t* xh = bf16 ? reinterpret_cast<const uint16_t*>(xs.data_ptr<at::BFloat16>()) : nullptr;
   const uint8_t* cp = codes.data_ptr<uint8_t>();
   const uint8_t* sp = scales.data_ptr<uint8_t>();
-  const float* table = e8m0_scales ? kTables.e8m0 : kTables.e4m3;
   float* yp = y.data_ptr<float>();
   const float m = static_cast<float>(mult);
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
@@ -275,25 +543,7 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
       }
       for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
         const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
-        if (bf16) {
-#if defined(__AVX512BF16__)
-          const uint16_t* x0 = xh + r0 * K;
-          switch (rt) {
-            case 1: fp4_tile_bf16<1>(w, x0, K, K, group, table, part); break;
-            case 2: fp4_tile_bf16<2>(w, x0, K, K, group, table, part); break;
-            case 3: fp4_tile_bf16<3>(w, x0, K, K, group, table, part); break;
-            default: fp4_tile_bf16<4>(w, x0, K, K, group, table, part); break;
-          }
-#endif
-        } else {
-          const float* x0 = xp + r0 * Kp;
-          switch (rt) {
-            case 1: fp4_tile<1>(w, x0, Kp, K, group, table, part); break;
-            case 2: fp4_tile<2>(w, x0, Kp, K, group, table, part); break;
-            case 3: fp4_tile<3>(w, x0, Kp, K, group, table, part); break;
-            default: fp4_tile<4>(w, x0, Kp, K, group, table, part); break;
-          }
-        }
+        fp4_tile_rows(rt, w, xp + r0 * ldx * esize, bf16, ldx, K, group, e8m0_scales, part);
         for (int j = 0; j < kTileN && tile * kTileN + j < N; ++j)
           for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r] * m;
       }
@@ -302,113 +552,14 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
   return y;
 }
 
-// ---------------------------------------------------------------------------------------------- bf16 inputs
-// With bf16 activations (a bf16 model) and AVX512_BF16, weights are decoded to bf16, exactly (an E4M3 value,
-// or an E2M1 code, fits bf16), and `vdpbf16ps` multiplies pairs exactly into fp32 sums: twice the elements
-// per instruction, and a quarter of the decoding work per element. Scales multiply the fp32 sums.
-#if defined(__AVX512BF16__)
-struct Bf16Tables {
-  alignas(64) int16_t subnormal[32];  // E4M3 subnormals m * 2^-9 (m = 0..7) as bf16 bits
-  alignas(64) int32_t e2m1[16];       // E2M1 codes as bf16 bits, one per 32-bit lane
-  static int16_t bits(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return static_cast<int16_t>(u >> 16);
-  }
-  Bf16Tables() {
-    for (int i = 0; i < 32; ++i) subnormal[i] = bits(i < 8 ? std::ldexp(static_cast<float>(i), -9) : 0.0f);
-    for (int i = 0; i < 16; ++i) e2m1[i] = static_cast<uint16_t>(bits(kE2M1[i]));
-  }
-};
-const Bf16Tables kBf16;
-
-// 32 E4M3 bytes -> 32 bf16 values, exactly: exponent + 120 for normal numbers, a table for subnormals
-inline __m512i e4m3_bf16(__m256i bytes) {
-  const __m512i v = _mm512_cvtepu8_epi16(bytes);
-  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
-  __m512i b = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
-  b = _mm512_mask_mov_epi16(b, _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8)),
-                            _mm512_permutexvar_epi16(mag, _mm512_load_si512(kBf16.subnormal)));
-  b = _mm512_mask_mov_epi16(b, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7FC0));
-  return _mm512_or_si512(b, _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
-}
-
-template <int RT>
-void fp8_tile_bf16(const uint8_t* const* w, const uint16_t* x, int64_t ldx, int64_t len,
-                   float part[kTileN][kTileR]) {
-  __m512 acc[kTileN][RT];
-  for (int j = 0; j < kTileN; ++j)
-    for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < len; i += 32) {
-    const int64_t n = std::min<int64_t>(32, len - i);
-    const __mmask32 m = n == 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << n) - 1);
-    __m512i xv[RT];
-    for (int r = 0; r < RT; ++r) xv[r] = _mm512_maskz_loadu_epi16(m, x + r * ldx + i);
-    for (int j = 0; j < kTileN; ++j) {
-      const __m512i wv = e4m3_bf16(_mm256_maskz_loadu_epi8(m, w[j] + i));
-      for (int r = 0; r < RT; ++r)
-        acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)xv[r], (__m512bh)wv);
-    }
-  }
-  for (int j = 0; j < kTileN; ++j)
-    for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
-}
-
-template <int RT>
-void fp4_tile_bf16(const Fp4Rows& w, const uint16_t* x, int64_t ldx, int64_t K, int64_t group, const float* table,
-                   float part[kTileN][kTileR]) {
-  const int64_t chunks = (K + 31) / 32, G = K / group;
-  const __m512i lut = _mm512_load_si512(kBf16.e2m1);
-  __m512 acc[kTileN][RT];
-  for (int j = 0; j < kTileN; ++j)
-    for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const bool half = K - c * 32 == 16;  // a final chunk of 16 elements (8 bytes)
-    __m512i xv[RT];
-    for (int r = 0; r < RT; ++r) xv[r] = _mm512_maskz_loadu_epi16(half ? 0xFFFFu : 0xFFFFFFFFu, x + r * ldx + c * 32);
-    for (int j = 0; j < kTileN; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(half ? 0x00FF : 0xFFFF, w.codes[j] + c * 16));
-      // element 2k (low nibble of byte k) in the low half of lane k, element 2k + 1 in the high half
-      const __m512i wv = _mm512_or_si512(_mm512_permutexvar_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), lut),
-                                         _mm512_slli_epi32(_mm512_permutexvar_epi32(_mm512_srli_epi32(v, 4), lut), 16));
-      __m512 s;
-      if (group == 32) {
-        s = _mm512_set1_ps(table[w.scales[j][c]]);
-      } else {  // lanes 0-7 hold elements of block 2c, lanes 8-15 of block 2c + 1
-        const float s1 = 2 * c + 1 < G ? table[w.scales[j][2 * c + 1]] : 0.0f;
-        s = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(table[w.scales[j][2 * c]]), _mm512_set1_ps(s1));
-      }
-      for (int r = 0; r < RT; ++r)
-        acc[j][r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)xv[r],
-                                                     (__m512bh)wv), s, acc[j][r]);
-    }
-  }
-  for (int j = 0; j < kTileN; ++j)
-    for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
-}
-#endif
-
-bool bf16_inputs() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return false;
-#endif
-}
-
-bool avx512() {
-#if defined(__AVX512F__)
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fp8_linear", &fp8_linear, "x [R, K] fp32 @ FP8 weight.T -> [R, N] fp32");
-  m.def("fp4_linear", &fp4_linear, "x [R, K] fp32 @ NVFP4 / MXFP4 weight.T -> [R, N] fp32");
+  m.def("fp8_linear", &fp8_linear, "x [R, K] fp32 (or bf16) @ FP8 weight.T -> [R, N] fp32");
+  m.def("fp4_linear", &fp4_linear, "x [R, K] fp32 (or bf16) @ NVFP4 / MXFP4 weight.T -> [R, N] fp32");
+#if defined(HYBRID_BF16_DOT)
+  m.def("bf16_linear", &bf16_linear, "x [R, K] bf16 @ bf16 weight.T -> [R, N] fp32");
+#endif
   m.def("avx512", &avx512, "whether the AVX-512 path was compiled");
-  m.def("bf16_inputs", &bf16_inputs, "whether bfloat16 inputs are taken (AVX512_BF16 dot products)");
+  m.def("bf16_inputs", &bf16_inputs, "whether bfloat16 inputs are taken (AVX512_BF16 + VBMI dot products)");
 }

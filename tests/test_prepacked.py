@@ -1,4 +1,6 @@
-"""Prepacked oneDNN bf16 linears (`moe.prepack`, `moe.quant.prepacked`) against the plain modules they replace.
+"""Prepacked bf16 linears (`moe.prepack`, `moe.quant.prepacked`, `moe.quant.kernels.bf16`) against the plain
+modules they replace, in both stored forms: the plain copy for this project's dot-product kernel (decode
+rows; PyTorch's matmul for more) and oneDNN's blocked layout.
 
 Oracles: the fp32 product of the same bf16 operands (a packed product may differ from it only by the bf16
 rounding of its output and the summation order), the unpacked `ExpertBank`, and the same checkpoint loaded
@@ -19,10 +21,27 @@ from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.generate import generate_ids
 from moe.experts import ExpertBank, PrepackedExpertBank
 from moe.prepack import prepack, unpack
-from moe.quant.kernels import onednn
+from moe.quant.kernels import bf16, onednn
 from moe.quant.prepacked import PrepackedLinear
 
-pytestmark = pytest.mark.skipif(not onednn.available(), reason="no oneDNN bf16 on this CPU / PyTorch build")
+pytestmark = pytest.mark.skipif(not bf16.available(), reason="no bf16 kernels on this CPU / PyTorch build")
+FORMS = ["plain", "onednn"]
+
+
+@pytest.fixture(params=FORMS)
+def form(request, monkeypatch):
+    """Each test runs with weights stored in each form (the plain form needs the kernel, oneDNN its bf16)."""
+    if request.param == "plain" and bf16.plain_kernel() is None:
+        pytest.skip("the bf16 dot-product kernel is not built for this CPU")
+    if request.param == "onednn":
+        if not onednn.available():
+            pytest.skip("no oneDNN bf16 on this CPU / PyTorch build")
+        monkeypatch.setattr(bf16, "plain_kernel", lambda: None)
+    return request.param
+
+
+def _form_of(packed: torch.Tensor) -> str:
+    return "onednn" if packed.is_mkldnn else "plain"
 
 
 def _assert_bf16_close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -32,13 +51,14 @@ def _assert_bf16_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert float(err.max()) <= 2 ** -7 * float(ref.abs().max()) + 1e-3, float(err.max())
 
 
-@pytest.mark.parametrize("shape", [(1, 96), (3, 96), (2, 5, 96)])
+@pytest.mark.parametrize("shape", [(1, 100), (3, 100), (2, 5, 100), (40, 100)])  # 40 rows: past DECODE_ROWS
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_fp32_product(shape, bias):
+def test_packed_linear_matches_fp32_product(form, shape, bias):
     torch.manual_seed(0)
-    source = nn.Linear(96, 40, bias=bias).to(torch.bfloat16)
+    source = nn.Linear(100, 40, bias=bias).to(torch.bfloat16)
     x = torch.randn(shape, dtype=torch.bfloat16)
     packed = PrepackedLinear(source)
+    assert _form_of(packed.packed) == form
     ref = x.float() @ source.weight.float().T + (source.bias.float() if bias else 0)
     with torch.inference_mode():
         _assert_bf16_close(packed(x), ref)
@@ -47,7 +67,7 @@ def test_packed_linear_matches_fp32_product(shape, bias):
     assert all(torch.equal(packed.state_dict()[k], source.state_dict()[k]) for k in source.state_dict())
 
 
-def test_packed_expert_bank_matches_bank():
+def test_packed_expert_bank_matches_bank(form):
     torch.manual_seed(1)
     bank = ExpertBank(6, 32, 48).to(torch.bfloat16)
     with torch.no_grad():
@@ -57,6 +77,7 @@ def test_packed_expert_bank_matches_bank():
     ids = torch.stack([torch.randperm(6)[:2] for _ in range(9)])
     weights = torch.rand(9, 2)
     packed = PrepackedExpertBank(bank)
+    assert {_form_of(w) for w in packed.up + packed.down} == {form}
     with torch.inference_mode():
         # fp32 reference of the same bf16 operands: y_t = sum_j w_tj * down_e(relu(up_e(x_t))^2)
         ref = torch.zeros(9, 32)
@@ -71,7 +92,7 @@ def test_packed_expert_bank_matches_bank():
 
 
 @pytest.mark.parametrize("name", ["all4_ng2_gqa4_c8", "tied_c8"])
-def test_prepacked_model_equals_plain(checkpoint, name):
+def test_prepacked_model_equals_plain(checkpoint, name, form):
     ck = checkpoint(name)
     plain = hybrid.load_model(ck.directory, dtype="bf16", prepack=False)
     packed = hybrid.load_model(ck.directory, dtype="bf16")
@@ -96,18 +117,19 @@ def test_prepacked_model_equals_plain(checkpoint, name):
         assert float((r - g).abs().max()) <= 0.05 * float(r.abs().max()) + 1e-2
 
 
-def test_default_checkpoint_greedy_unchanged_by_prepacking():
+def test_default_checkpoint_greedy_unchanged_by_prepacking(form):
     plain, tok = hybrid.load(DEFAULT_CHECKPOINT, dtype="bf16", prepack=False)
     packed, _ = hybrid.load(DEFAULT_CHECKPOINT, dtype="bf16")
     prompts = [tok.encode("The for statement is used to"), tok.encode("A list is a sequence of")]
     assert [c.token_ids for c in generate_ids(plain, prompts, 24)] == [c.token_ids for c in generate_ids(packed, prompts, 24)]
 
 
-def test_unavailable_onednn_leaves_plain_modules(checkpoint, monkeypatch):
+def test_no_bf16_kernels_leaves_plain_modules(checkpoint, monkeypatch):
     monkeypatch.setattr(onednn, "available", lambda: False)
+    monkeypatch.setattr(bf16, "plain_kernel", lambda: None)
     model = hybrid.load_model(checkpoint("all4_ng2_gqa4_c8").directory, dtype="bf16")
     assert not any(isinstance(m, (PrepackedLinear, PrepackedExpertBank)) for m in model.modules())
-    with pytest.raises(RuntimeError, match="oneDNN bf16 is not available"):
+    with pytest.raises(RuntimeError, match="no bf16 kernels"):
         prepack(model)
 
 
@@ -139,7 +161,7 @@ def test_unpack_restores_plain_modules(checkpoint):
         assert torch.equal(plain(ids), model(ids))
 
 
-def test_packed_model_state_dict_round_trip_and_inference_only_guards(checkpoint):
+def test_packed_model_state_dict_round_trip_and_inference_only_guards(checkpoint, form):
     """`load_state_dict` repacks what it is given (round trip, and a changed tensor takes effect); the
     parameters are frozen, so a backward pass raises instead of leaving packed weights without gradients;
     a dtype or device change raises with a message naming the fix."""
