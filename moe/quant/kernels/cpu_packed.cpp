@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -101,20 +102,37 @@ inline __m512 decode_e8m0(__m128i bytes) {  // 16 E8M0 bytes -> 16 fp32: the exp
 }
 #endif
 
-// The products run on tiles of kTileN weight rows x up to kTileR input rows, so each decoded weight vector
+// The products run on tiles of NT weight rows x up to kTileR input rows, so each decoded weight vector
 // meets every input row and each input vector every weight row while they are in registers (or L1), and the
-// kTileN x kTileR accumulators are independent (no single dependency chain). A tile past the last weight
+// NT x RT accumulators are independent (no single dependency chain). A tile past the last weight
 // row repeats that row; its results are dropped.
-constexpr int kTileN = 4, kTileR = 4;
+// NT is 8 for a single input row (eight weight streams keep DRAM busier: 31 -> 33-37 GB/s on the bf16 decode
+// of Nano's matrices) and 4 for more (8 x 4 accumulators would not fit the 32 vector registers).
+constexpr int kTileN = 8, kTileR = 4;  // the largest tile
+inline int tile_rows(int64_t R) { return R == 1 ? 8 : 4; }
 
-// A tile reads its kTileN weight rows as as many short streams, and the hardware prefetchers lose the pace
+// f(NT, RT) with the tile shape as compile-time constants (std::integral_constant): 8 x 1, or 4 x 1..4
+template <typename F>
+void with_tile(int nt, int rt, F&& f) {
+  using std::integral_constant;
+  if (nt == 8) return f(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+  switch (rt) {
+    case 1: return f(integral_constant<int, 4>{}, integral_constant<int, 1>{});
+    case 2: return f(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+    case 3: return f(integral_constant<int, 4>{}, integral_constant<int, 3>{});
+    default: return f(integral_constant<int, 4>{}, integral_constant<int, 4>{});
+  }
+}
+#define TILE_ARGS decltype(NT)::value, decltype(RT)::value
+
+// A tile reads its NT weight rows as as many short streams, and the hardware prefetchers lose the pace
 // at each jump to the next tile; asking for the same bytes of the next tile's rows (the rows are
-// contiguous: kTileN rows of `row_bytes` further) one tile ahead, into L2, keeps DRAM busy. Measured on the
+// contiguous: `tile_bytes` further) one tile ahead, into L2, keeps DRAM busy. Measured on the
 // FP8 decode of Nano's 1,856 x 2,688 expert projections (2 threads, 120 MB of weights): 22 -> 31 GB/s, the
 // bandwidth of a PyTorch sum on the same machine being 33.
-inline void prefetch_next_tile(const uint8_t* p, int64_t row_bytes) {
+inline void prefetch_next_tile(const uint8_t* p, int64_t tile_bytes) {
 #if defined(__AVX512F__)
-  _mm_prefetch(reinterpret_cast<const char*>(p + kTileN * row_bytes), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(p + tile_bytes), _MM_HINT_T1);
 #endif
 }
 
@@ -188,18 +206,18 @@ struct E4m3ToBf16 {
 };
 
 // part[j][r] = sum_{i < len} x[r, i] * e4m3(w[j][i]), x in FP8 chunk order (row strides: ldw bytes, ldx)
-template <int RT>
+template <int NT, int RT>
 void fp8_tile_dot(const uint8_t* const* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t len,
                   float part[kTileN][kTileR]) {
   const E4m3ToBf16 decode;
-  __m512 acc[kTileN][RT];
-  for (int j = 0; j < kTileN; ++j)
+  __m512 acc[NT][RT];
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < len; i += kFp8Chunk) {
     const int64_t n = std::min<int64_t>(kFp8Chunk, len - i);
     const __mmask64 m = n == 64 ? ~0ull : (1ull << n) - 1;
-    for (int j = 0; j < kTileN; ++j) {
-      prefetch_next_tile(w[j] + i, ldw);
+    for (int j = 0; j < NT; ++j) {
+      prefetch_next_tile(w[j] + i, NT * ldw);
       __m512i a, b;
       decode(_mm512_maskz_loadu_epi8(m, w[j] + i), a, b);
       for (int r = 0; r < RT; ++r) {
@@ -209,7 +227,7 @@ void fp8_tile_dot(const uint8_t* const* w, int64_t ldw, const uint16_t* x, int64
       }
     }
   }
-  for (int j = 0; j < kTileN; ++j)
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
@@ -220,23 +238,23 @@ void fp8_tile_dot(const uint8_t* const* w, int64_t ldw, const uint16_t* x, int64
 inline int64_t fp4_element(int64_t p) { return 4 * (p % 32) + p / 32; }
 
 // part[j][r] = sum over the chunks of x . (e2m1(codes) * scale(block)), x in FP4 chunk order (stride ldx)
-template <int RT>
+template <int NT, int RT>
 void fp4_tile_dot(const Fp4Rows& w, const uint16_t* x, int64_t ldx, int64_t K, int64_t group, bool e8m0_scales,
                   float part[kTileN][kTileR]) {
   const int64_t chunks = (K + kFp4Chunk - 1) / kFp4Chunk, G = K / group, per_chunk = kFp4Chunk / group;
   const __m512i lut = _mm512_load_si512(kBf16.e2m1);
   const __m128i spread = group == 16 ? _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
                                      : _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  __m512 acc[kTileN][RT];
-  for (int j = 0; j < kTileN; ++j)
+  __m512 acc[NT][RT];
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t bytes = std::min<int64_t>(64, K / 2 - 64 * c), blocks = std::min(per_chunk, G - per_chunk * c);
     const __mmask64 cm = bytes == 64 ? ~0ull : (1ull << bytes) - 1;
     const __mmask16 sm = static_cast<__mmask16>((1u << blocks) - 1);
-    for (int j = 0; j < kTileN; ++j) {
-      prefetch_next_tile(w.codes[j] + 64 * c, K / 2);
-      prefetch_next_tile(w.scales[j] + per_chunk * c, G);
+    for (int j = 0; j < NT; ++j) {
+      prefetch_next_tile(w.codes[j] + 64 * c, NT * K / 2);
+      prefetch_next_tile(w.scales[j] + per_chunk * c, NT * G);
       const __m512i v = _mm512_maskz_loadu_epi8(cm, w.codes[j] + 64 * c);
       const __m512i w0 = _mm512_permutexvar_epi16(v, lut);
       const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
@@ -254,28 +272,28 @@ void fp4_tile_dot(const Fp4Rows& w, const uint16_t* x, int64_t ldx, int64_t K, i
       }
     }
   }
-  for (int j = 0; j < kTileN; ++j)
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 }
 // bf16 weights: no decoding at all; the rows pair up as `vdpbf16ps` wants them, x in natural order
 // part[j][r] = sum_{i < len} x[r, i] * w[j][i] (row strides: ldw, ldx elements)
-template <int RT>
+template <int NT, int RT>
 void bf16_tile_dot(const uint16_t* const* w, int64_t ldw, const uint16_t* x, int64_t ldx, int64_t len,
                    float part[kTileN][kTileR]) {
-  __m512 acc[kTileN][RT];
-  for (int j = 0; j < kTileN; ++j)
+  __m512 acc[NT][RT];
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < len; i += 32) {
     const int64_t n = std::min<int64_t>(32, len - i);
     const __mmask32 m = n == 32 ? 0xFFFFFFFFu : (1u << n) - 1;
-    for (int j = 0; j < kTileN; ++j) {
-      prefetch_next_tile(reinterpret_cast<const uint8_t*>(w[j] + i), 2 * ldw);
+    for (int j = 0; j < NT; ++j) {
+      prefetch_next_tile(reinterpret_cast<const uint8_t*>(w[j] + i), NT * 2 * ldw);
       const __m512i wv = _mm512_maskz_loadu_epi16(m, w[j] + i);
       for (int r = 0; r < RT; ++r)
         acc[j][r] = _mm512_dpbf16_ps(acc[j][r], (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * ldx + i), (__m512bh)wv);
     }
   }
-  for (int j = 0; j < kTileN; ++j)
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
@@ -289,26 +307,22 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int nt = tile_rows(R);
+  const int64_t tiles = (N + nt - 1) / nt;
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     float part[kTileN][kTileR];
     for (int64_t tile = begin; tile < end; ++tile) {
       int64_t n[kTileN];
       const uint16_t* wr[kTileN];
-      for (int j = 0; j < kTileN; ++j) {
-        n[j] = std::min(tile * kTileN + j, N - 1);
+      for (int j = 0; j < nt; ++j) {
+        n[j] = std::min(tile * nt + j, N - 1);
         wr[j] = wp + n[j] * K;
       }
       for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
         const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
         const uint16_t* x0 = xp + r0 * K;
-        switch (rt) {
-          case 1: bf16_tile_dot<1>(wr, K, x0, K, K, part); break;
-          case 2: bf16_tile_dot<2>(wr, K, x0, K, K, part); break;
-          case 3: bf16_tile_dot<3>(wr, K, x0, K, K, part); break;
-          default: bf16_tile_dot<4>(wr, K, x0, K, K, part); break;
-        }
-        for (int j = 0; j < kTileN && tile * kTileN + j < N; ++j)
+        with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_dot<TILE_ARGS>(wr, K, x0, K, K, part); });
+        for (int j = 0; j < nt && tile * nt + j < N; ++j)
           for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r];
       }
     }
@@ -319,28 +333,28 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
 
 // ---------------------------------------------------------------------------------------------- FP8
 // part[j][r] = sum_{i < len} x[r * ldx + i] * e4m3(w[j][i]) (weight row stride: ldw bytes)
-template <int RT>
+template <int NT, int RT>
 void fp8_tile(const uint8_t* const* w, int64_t ldw, const float* x, int64_t ldx, int64_t len,
               float part[kTileN][kTileR]) {
 #if defined(__AVX512F__)
-  __m512 acc[kTileN][RT];
-  for (int j = 0; j < kTileN; ++j)
+  __m512 acc[NT][RT];
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t i = 0; i < len; i += 16) {
     const int64_t n = std::min<int64_t>(16, len - i);
     const __mmask16 m = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
     __m512 xv[RT];
     for (int r = 0; r < RT; ++r) xv[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + i);
-    for (int j = 0; j < kTileN; ++j) {
-      if (i % 64 == 0) prefetch_next_tile(w[j] + i, ldw);
+    for (int j = 0; j < NT; ++j) {
+      if (i % 64 == 0) prefetch_next_tile(w[j] + i, NT * ldw);
       const __m512 wv = decode_e4m3(_mm_maskz_loadu_epi8(m, w[j] + i));
       for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_fmadd_ps(xv[r], wv, acc[j][r]);
     }
   }
-  for (int j = 0; j < kTileN; ++j)
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 #else
-  for (int j = 0; j < kTileN; ++j)
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) {
       float s = 0.0f;
       for (int64_t i = 0; i < len; ++i) s += x[r * ldx + i] * kTables.e4m3[w[j][i]];
@@ -350,26 +364,14 @@ void fp8_tile(const uint8_t* const* w, int64_t ldw, const float* x, int64_t ldx,
 }
 
 // The FP8 tile for rt input rows at x (fp32, or bf16 in FP8 chunk order), row stride ldx
-void fp8_tile_rows(int rt, const uint8_t* const* w, int64_t ldw, const void* x, bool bf16, int64_t ldx, int64_t len,
-                   float part[kTileN][kTileR]) {
+void fp8_tile_rows(int nt, int rt, const uint8_t* const* w, int64_t ldw, const void* x, bool bf16, int64_t ldx,
+                   int64_t len, float part[kTileN][kTileR]) {
+  with_tile(nt, rt, [&](auto NT, auto RT) {
 #if defined(HYBRID_BF16_DOT)
-  if (bf16) {
-    const auto* xh = static_cast<const uint16_t*>(x);
-    switch (rt) {
-      case 1: return fp8_tile_dot<1>(w, ldw, xh, ldx, len, part);
-      case 2: return fp8_tile_dot<2>(w, ldw, xh, ldx, len, part);
-      case 3: return fp8_tile_dot<3>(w, ldw, xh, ldx, len, part);
-      default: return fp8_tile_dot<4>(w, ldw, xh, ldx, len, part);
-    }
-  }
+    if (bf16) return fp8_tile_dot<TILE_ARGS>(w, ldw, static_cast<const uint16_t*>(x), ldx, len, part);
 #endif
-  const auto* xf = static_cast<const float*>(x);
-  switch (rt) {
-    case 1: return fp8_tile<1>(w, ldw, xf, ldx, len, part);
-    case 2: return fp8_tile<2>(w, ldw, xf, ldx, len, part);
-    case 3: return fp8_tile<3>(w, ldw, xf, ldx, len, part);
-    default: return fp8_tile<4>(w, ldw, xf, ldx, len, part);
-  }
+    fp8_tile<TILE_ARGS>(w, ldw, static_cast<const float*>(x), ldx, len, part);
+  });
 }
 
 // granularity 0: per tensor, 1: per channel, 2: per block of `block` x `block`
@@ -395,26 +397,27 @@ torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, 
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (N + kTileN - 1) / kTileN;
+  const int nt = tile_rows(R);
+  const int64_t tiles = (N + nt - 1) / nt;
   at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
     float part[kTileN][kTileR];
     for (int64_t tile = begin; tile < end; ++tile) {
       int64_t n[kTileN];
       const uint8_t* w[kTileN];
-      for (int j = 0; j < kTileN; ++j) n[j] = std::min(tile * kTileN + j, N - 1);
+      for (int j = 0; j < nt; ++j) n[j] = std::min(tile * nt + j, N - 1);
       for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
         const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
         float sum[kTileN][kTileR] = {};
         for (int64_t k0 = 0; k0 < K; k0 += span) {
-          for (int j = 0; j < kTileN; ++j) w[j] = qp + n[j] * K + k0;
-          fp8_tile_rows(rt, w, K, xp + (r0 * ldx + k0) * esize, bf16, ldx, std::min(span, K - k0), part);
-          for (int j = 0; j < kTileN; ++j) {
+          for (int j = 0; j < nt; ++j) w[j] = qp + n[j] * K + k0;
+          fp8_tile_rows(nt, rt, w, K, xp + (r0 * ldx + k0) * esize, bf16, ldx, std::min(span, K - k0), part);
+          for (int j = 0; j < nt; ++j) {
             const float s = granularity == 0 ? sp[0] : granularity == 1 ? sp[n[j]]
                                                      : sp[(n[j] / block) * block_cols + k0 / block];
             for (int r = 0; r < rt; ++r) sum[j][r] += part[j][r] * s;
           }
         }
-        for (int j = 0; j < kTileN && tile * kTileN + j < N; ++j)
+        for (int j = 0; j < nt && tile * nt + j < N; ++j)
           for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = sum[j][r];
       }
     }
@@ -433,14 +436,14 @@ torch::Tensor split_even_odd(const torch::Tensor& x) {
 }
 
 // part[j][r] = sum over the row's chunks of x . (e2m1(codes) * scale(block)), before the global multiplier
-template <int RT>
+template <int NT, int RT>
 void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t group, const float* table,
               float part[kTileN][kTileR]) {
   const int64_t chunks = (K + 31) / 32, G = K / group;
 #if defined(__AVX512F__)
   const __m512 lut = _mm512_loadu_ps(kE2M1);
-  __m512 acc[kTileN][RT];
-  for (int j = 0; j < kTileN; ++j)
+  __m512 acc[NT][RT];
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t bytes = std::min<int64_t>(16, K / 2 - c * 16);  // 8 in a final half chunk
@@ -450,9 +453,9 @@ void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t
       xe[r] = _mm512_loadu_ps(xs + r * ldx + c * 32);
       xo[r] = _mm512_loadu_ps(xs + r * ldx + c * 32 + 16);
     }
-    for (int j = 0; j < kTileN; ++j) {
-      if (c % 4 == 0) prefetch_next_tile(w.codes[j] + c * 16, K / 2);
-      if (c % 4 == 0) prefetch_next_tile(w.scales[j] + c * 32 / group, G);
+    for (int j = 0; j < NT; ++j) {
+      if (c % 4 == 0) prefetch_next_tile(w.codes[j] + c * 16, NT * K / 2);
+      if (c % 4 == 0) prefetch_next_tile(w.scales[j] + c * 32 / group, NT * G);
       const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, w.codes[j] + c * 16));
       __m512 s;
       if (group == 32) {
@@ -466,10 +469,10 @@ void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t
       for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_fmadd_ps(xo[r], hi, _mm512_fmadd_ps(xe[r], lo, acc[j][r]));
     }
   }
-  for (int j = 0; j < kTileN; ++j)
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 #else
-  for (int j = 0; j < kTileN; ++j)
+  for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) {
       float sum = 0.0f;
       for (int64_t c = 0; c < chunks; ++c) {
@@ -486,27 +489,15 @@ void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t
 }
 
 // The FP4 tile for rt input rows at x (fp32 split even / odd, or bf16 in FP4 chunk order), row stride ldx
-void fp4_tile_rows(int rt, const Fp4Rows& w, const void* x, bool bf16, int64_t ldx, int64_t K, int64_t group,
-                   bool e8m0_scales, float part[kTileN][kTileR]) {
+void fp4_tile_rows(int nt, int rt, const Fp4Rows& w, const void* x, bool bf16, int64_t ldx, int64_t K,
+                   int64_t group, bool e8m0_scales, float part[kTileN][kTileR]) {
+  with_tile(nt, rt, [&](auto NT, auto RT) {
 #if defined(HYBRID_BF16_DOT)
-  if (bf16) {
-    const auto* xh = static_cast<const uint16_t*>(x);
-    switch (rt) {
-      case 1: return fp4_tile_dot<1>(w, xh, ldx, K, group, e8m0_scales, part);
-      case 2: return fp4_tile_dot<2>(w, xh, ldx, K, group, e8m0_scales, part);
-      case 3: return fp4_tile_dot<3>(w, xh, ldx, K, group, e8m0_scales, part);
-      default: return fp4_tile_dot<4>(w, xh, ldx, K, group, e8m0_scales, part);
-    }
-  }
+    if (bf16) return fp4_tile_dot<TILE_ARGS>(w, static_cast<const uint16_t*>(x), ldx, K, group, e8m0_scales, part);
 #endif
-  const auto* xf = static_cast<const float*>(x);
-  const float* table = e8m0_scales ? kTables.e8m0 : kTables.e4m3;
-  switch (rt) {
-    case 1: return fp4_tile<1>(w, xf, ldx, K, group, table, part);
-    case 2: return fp4_tile<2>(w, xf, ldx, K, group, table, part);
-    case 3: return fp4_tile<3>(w, xf, ldx, K, group, table, part);
-    default: return fp4_tile<4>(w, xf, ldx, K, group, table, part);
-  }
+    fp4_tile<TILE_ARGS>(w, static_cast<const float*>(x), ldx, K, group, e8m0_scales ? kTables.e8m0 : kTables.e4m3,
+                        part);
+  });
 }
 
 // group 16 with E4M3 scales (NVFP4) or 32 with E8M0 scales (MXFP4); `mult` multiplies every weight
@@ -523,7 +514,8 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 #else
   const auto xs = split_even_odd(x);
 #endif
-  const int64_t ldx = xs.size(1), G = K / group, tiles = (N + kTileN - 1) / kTileN;
+  const int nt = tile_rows(R);
+  const int64_t ldx = xs.size(1), G = K / group, tiles = (N + nt - 1) / nt;
   const char* xp = static_cast<const char*>(xs.data_ptr());
   const int64_t esize = xs.element_size();
   auto y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
@@ -536,15 +528,15 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
     for (int64_t tile = begin; tile < end; ++tile) {
       Fp4Rows w;
       int64_t n[kTileN];
-      for (int j = 0; j < kTileN; ++j) {
-        n[j] = std::min(tile * kTileN + j, N - 1);
+      for (int j = 0; j < nt; ++j) {
+        n[j] = std::min(tile * nt + j, N - 1);
         w.codes[j] = cp + n[j] * (K / 2);
         w.scales[j] = sp + n[j] * G;
       }
       for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
         const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
-        fp4_tile_rows(rt, w, xp + r0 * ldx * esize, bf16, ldx, K, group, e8m0_scales, part);
-        for (int j = 0; j < kTileN && tile * kTileN + j < N; ++j)
+        fp4_tile_rows(nt, rt, w, xp + r0 * ldx * esize, bf16, ldx, K, group, e8m0_scales, part);
+        for (int j = 0; j < nt && tile * nt + j < N; ++j)
           for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r] * m;
       }
     }
