@@ -24,7 +24,7 @@ from torch import nn
 
 from moe.quant.codec import QuantFormat
 from moe.quant import kernels
-from moe.quant.kernels import bf16
+from moe.quant.kernels import bf16, cpu
 from moe.quant.packed import PackedWeight
 from moe.quant.prepacked import Prepacked
 
@@ -146,8 +146,19 @@ class QuantExpertBank(nn.Module):
         if not self.act_quant and all(isinstance(p, PackedWeight) for p in (self.up_proj, self.down_proj)) \
                 and kernels.triton_for(x, self.up_proj.fmt, self.down_proj.fmt) is not None:
             return self.fused(x, weights, ids)
+        if ids.shape[0] == 1 and not self.act_quant and all(
+                isinstance(p, PackedWeight) and kernels.cpu_for(x, p.fmt) is not None for p in (self.up_proj, self.down_proj)):
+            return self._one_token_cpu(x, weights, ids)
         return dispatch(x, weights, ids, self.n_experts,
                         lambda e, part: self._matmul(self.down_proj, relu2(self._matmul(self.up_proj, part, e)), e))
+
+    def _one_token_cpu(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """One token (decode) on the CPU kernels: its k experts' up projections in one call of the extension,
+        then their down projections in another; the same operations as `dispatch` and `_matmul` otherwise."""
+        chosen = ids[0].tolist()
+        h = [relu2(t.to(x.dtype)) for t in cpu.linear_group([x] * len(chosen), self.up_proj, chosen)]
+        y = torch.stack(cpu.linear_group(h, self.down_proj, chosen)).to(x.dtype)
+        return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # as dispatch: summed in fp32
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The forward with both projections of all chosen experts in two grouped Triton launches (weights
@@ -208,6 +219,11 @@ class PrepackedExpertBank(Prepacked):
         return torch.stack([bf16.unpack(w) for w in self.down])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if ids.shape[0] == 1:  # one token (decode): its k experts' up projections in one call, then the downs
+            chosen = ids[0].tolist()
+            h = bf16.linear_group([x] * len(chosen), [self.up[e] for e in chosen], relu=True)
+            y = torch.stack(bf16.linear_group([t.square() for t in h], [self.down[e] for e in chosen]))
+            return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # as dispatch: summed in fp32
         return dispatch(x, weights, ids, self.n_experts, lambda e, part: bf16.linear(
             bf16.linear(part, self.up[e], relu=True).square(), self.down[e]))
 

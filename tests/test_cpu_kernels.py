@@ -85,6 +85,32 @@ def test_bf16_weights_dot_product(shape):
         assert_exact(cpu.module().bf16_linear(x, W), x, W.double())
 
 
+@pytest.mark.skipif(not cpu.module().bf16_inputs(), reason="no AVX512_BF16 + AVX512_VBMI build on this CPU")
+def test_bf16_weights_in_one_group_call():
+    """`bf16_linear_group` (a decoded token's experts in one parallel loop): each product of the group, of any
+    shapes (Nano's up and down projections, a partial tile, 1 and 5 rows), equals its own exact product."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(1856, 2688, 1), (2688, 1856, 1), (7, 100, 5), (1856, 2688, 1)]
+    ws = [(torch.randn(n, k, generator=g) * 0.02).bfloat16() for n, k, _ in shapes]
+    xs = [torch.randn(r, k, generator=g).bfloat16() for _, k, r in shapes]
+    ys = cpu.module().bf16_linear_group(xs, ws)
+    assert [tuple(y.shape) for y in ys] == [(r, n) for n, _, r in shapes]
+    for x, w, y in zip(xs, ws, ys):
+        assert_exact(y, x, w.double())
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_group_of_packed_products_in_one_call(name):
+    """`cpu.linear_group` (a decoded token's experts in one call per projection): products of 1 and 3 rows
+    (8- and 4-row tiles in one parallel loop) each equal their own exact product."""
+    q = quantized(FORMATS[name], 1856, 2688, seed=7)
+    W = q.dequantize(torch.float64)
+    g = torch.Generator().manual_seed(8)
+    xs = [torch.randn(r, 2688, generator=g).bfloat16() for r in (1, 3, 1)]
+    for x, y in zip(xs, cpu.linear_group(xs, q, [None] * len(xs))):
+        assert_exact(y, x, W)
+
+
 def test_fp8_inputs_not_a_multiple_of_16():
     q = quantized(modelopt_format("FP8"), 9, 100, seed=1)
     x = torch.randn(2, 100)
@@ -155,15 +181,18 @@ def test_the_modules_use_the_kernels_and_never_dequantize(monkeypatch):
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                                  profile_memory=True) as prof:
         got_bank, got_lin = qbank(x, weights, ids), qlin(x)
-    assert calls == [] and got_bank.dtype == got_lin.dtype == torch.bfloat16
+        got_one = qbank(x[:1], weights[:1], ids[:1])  # one token: its experts in one call per projection
+    assert calls == [] and got_bank.dtype == got_lin.dtype == got_one.dtype == torch.bfloat16
     biggest = max(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
     assert biggest < I * H * 2 / 4, biggest
     with torch.no_grad():  # fp32, kernels against the PyTorch path
         got_bank, got_lin = qbank(x.float(), weights, ids), qlin(x.float())
+        got_one = qbank(x[:1].float(), weights[:1], ids[:1])
         monkeypatch.setattr(kernels, "cpu_for", lambda x, fmt: None)
         want_bank, want_lin = qbank(x.float(), weights, ids), qlin(x.float())
+        want_one = qbank(x[:1].float(), weights[:1], ids[:1])
     assert len(calls) > 0
-    for got, want in ((got_bank, want_bank), (got_lin, want_lin)):  # fp32 sums in another order
+    for got, want in ((got_bank, want_bank), (got_lin, want_lin), (got_one, want_one)):  # fp32 sums in another order
         assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
 
 

@@ -61,3 +61,15 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     else:
         y = F.linear(x, packed, bias)
     return (torch.relu(y) if relu else y).to(torch.bfloat16)
+
+
+def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool = False) -> list[torch.Tensor]:
+    """`[linear(x, p, relu=relu) for x, p in zip(xs, packs)]` (no bias), in one kernel call over all the weights
+    when every form is plain and every x has at most `DECODE_ROWS` rows (the k experts a decoded token chose:
+    one fork of the threads instead of k, balanced over all of them)."""
+    ext = plain_kernel()
+    if ext is None or any(p.is_mkldnn for p in packs) or any(x.numel() > DECODE_ROWS * x.shape[-1] for x in xs):
+        return [linear(x, p, relu=relu) for x, p in zip(xs, packs)]
+    ys = ext.bf16_linear_group([x.reshape(-1, x.shape[-1]).contiguous() for x in xs], list(packs))
+    return [(torch.relu(y) if relu else y).to(torch.bfloat16).reshape(*x.shape[:-1], y.shape[-1])
+            for x, y in zip(xs, ys)]

@@ -71,22 +71,24 @@ def module(portable: bool = False):
         return None
 
 
-def _fp8(ext, x, data, t, fmt):
+def _fp8(ext, xs, ts, fmt):
     granularity = GRANULARITY[fmt.layout.granularity]
-    scale = t["scale"].float().contiguous()
-    scale = scale.reshape(-1) if granularity < 2 else scale.reshape(scale.shape[-2], scale.shape[-1])
-    return ext.fp8_linear(x, data, scale, granularity, fmt.layout.block)
+    scales = [t["scale"].float().contiguous() for t in ts]
+    scales = [s.reshape(-1) if granularity < 2 else s.reshape(s.shape[-2], s.shape[-1]) for s in scales]
+    return ext.fp8_linear_group(xs, [t["data"] for t in ts], scales, granularity, fmt.layout.block)
 
 
-def _nvfp4(ext, x, data, t, fmt):
-    g = float(t["global"].float().reshape(()))
-    mult = 1.0 / g if fmt.layout.divisor else g  # compressed-tensors' global scale divides, ModelOpt's multiplies
-    return ext.fp4_linear(x, data, t["scale"].contiguous().view(torch.uint8), fmt.codec.group, False, mult)
+def _nvfp4(ext, xs, ts, fmt):
+    g = [float(t["global"].float().reshape(())) for t in ts]
+    mults = [1.0 / v if fmt.layout.divisor else v for v in g]  # compressed-tensors' global divides, ModelOpt's multiplies
+    return ext.fp4_linear_group(xs, [t["data"] for t in ts], [t["scale"].contiguous().view(torch.uint8) for t in ts],
+                                fmt.codec.group, False, mults)
 
 
-def _mxfp4(ext, x, data, t, fmt):
-    return ext.fp4_linear(x, data.reshape(data.shape[0], -1), t["scale"].contiguous().view(torch.uint8),
-                          fmt.codec.group, True, 1.0)
+def _mxfp4(ext, xs, ts, fmt):
+    return ext.fp4_linear_group(xs, [t["data"].reshape(t["data"].shape[0], -1) for t in ts],
+                                [t["scale"].contiguous().view(torch.uint8) for t in ts], fmt.codec.group, True,
+                                [1.0] * len(ts))
 
 
 KERNELS = {"fp8": _fp8, "nvfp4": _nvfp4, "mxfp4": _mxfp4}  # codec name -> the call into the extension
@@ -99,12 +101,21 @@ def supports(fmt) -> bool:
 def linear(x: torch.Tensor, weight, expert: int | None = None, ext=None) -> torch.Tensor:
     """x [R, K] (any float dtype) @ dequantize(W).T -> [R, N] float32, from the packed bytes
     of `weight` (a `moe.quant.PackedWeight`; of expert `expert` for a stack). bf16 inputs stay bf16 where the
-    CPU has AVX512_BF16 (exact products in fp32 sums), others are converted to fp32."""
+    CPU has AVX512_BF16 + AVX512_VBMI (exact products in fp32 sums), others are converted to fp32."""
+    return linear_group([x], weight, [expert], ext)[0]
+
+
+def linear_group(xs: list[torch.Tensor], weight, experts: list[int | None], ext=None) -> list[torch.Tensor]:
+    """`[linear(x, weight, e) for x, e in zip(xs, experts)]` in one call of the extension: one parallel loop
+    over the tiles of every product (the k experts a decoded token chose: one fork of the threads, not k)."""
     fmt = weight.fmt
-    t = {role: weight.role(role) for role in fmt.roles}
-    if expert is not None:
-        t = {role: v[expert] for role, v in t.items()}
-    data = t["data"].contiguous().view(torch.uint8)
     ext = ext or module()
-    x = x.contiguous() if x.dtype == torch.bfloat16 and ext.bf16_inputs() else x.float().contiguous()
-    return KERNELS[fmt.codec.name](ext, x, data, t, fmt)
+    ts = []
+    for e in experts:
+        t = {role: weight.role(role) for role in fmt.roles}
+        if e is not None:
+            t = {role: v[e] for role, v in t.items()}
+        t["data"] = t["data"].contiguous().view(torch.uint8)
+        ts.append(t)
+    xs = [x.contiguous() if x.dtype == torch.bfloat16 and ext.bf16_inputs() else x.float().contiguous() for x in xs]
+    return KERNELS[fmt.codec.name](ext, xs, ts, fmt)

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -124,6 +125,22 @@ void with_tile(int nt, int rt, F&& f) {
   }
 }
 #define TILE_ARGS decltype(NT)::value, decltype(RT)::value
+
+// jobs[g].tile(t) for every tile t < jobs[g].tiles of every job, in one parallel loop over all of them (a
+// group of products, e.g. the k experts a decoded token chose: one fork of the threads instead of k, the
+// threads balanced over the whole group)
+template <typename Job>
+void parallel_tiles(const std::vector<Job>& jobs) {
+  std::vector<int64_t> first(jobs.size() + 1, 0);
+  for (size_t g = 0; g < jobs.size(); ++g) first[g + 1] = first[g] + jobs[g].tiles;
+  at::parallel_for(0, first.back(), 4, [&](int64_t begin, int64_t end) {
+    size_t g = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= first[g + 1]) ++g;
+      jobs[g].tile(t - first[g]);
+    }
+  });
+}
 
 // A tile reads its NT weight rows as as many short streams, and the hardware prefetchers lose the pace
 // at each jump to the next tile; asking for the same bytes of the next tile's rows (the rows are
@@ -297,38 +314,51 @@ void bf16_tile_dot(const uint16_t* const* w, int64_t ldw, const uint16_t* x, int
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
-// x [R, K] bf16 @ w [N, K] bf16 .T -> [R, N] fp32 (exact products, fp32 sums)
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
-  const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be [R, K] bfloat16");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(1) == K,
-              "w must be contiguous bfloat16 [N, ", K, "]");
-  auto y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  const int nt = tile_rows(R);
-  const int64_t tiles = (N + nt - 1) / nt;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+// One product x [R, K] bf16 @ w [N, K] bf16 .T -> y [R, N] fp32 (exact products, fp32 sums), tile by tile
+struct Bf16Product {
+  torch::Tensor x, w, y;
+  int64_t R, K, N, tiles;
+  int nt;
+  Bf16Product(const torch::Tensor& x_, const torch::Tensor& w_) : x(x_), w(w_) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be [R, K] bfloat16");
+    R = x.size(0), K = x.size(1), N = w.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(1) == K,
+                "w must be contiguous bfloat16 [N, ", K, "]");
+    y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+  }
+  void tile(int64_t t) const {
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    float* yp = y.data_ptr<float>();
     float part[kTileN][kTileR];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      int64_t n[kTileN];
-      const uint16_t* wr[kTileN];
-      for (int j = 0; j < nt; ++j) {
-        n[j] = std::min(tile * nt + j, N - 1);
-        wr[j] = wp + n[j] * K;
-      }
-      for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
-        const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
-        const uint16_t* x0 = xp + r0 * K;
-        with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_dot<TILE_ARGS>(wr, K, x0, K, K, part); });
-        for (int j = 0; j < nt && tile * nt + j < N; ++j)
-          for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r];
-      }
+    int64_t n[kTileN];
+    const uint16_t* wr[kTileN];
+    for (int j = 0; j < nt; ++j) {
+      n[j] = std::min(t * nt + j, N - 1);
+      wr[j] = wp + n[j] * K;
     }
-  });
-  return y;
+    for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
+      const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
+      const uint16_t* x0 = xp + r0 * K;
+      with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_dot<TILE_ARGS>(wr, K, x0, K, K, part); });
+      for (int j = 0; j < nt && t * nt + j < N; ++j)
+        for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r];
+    }
+  }
+};
+
+// [xs[g] @ ws[g].T for each g] (each pair its own shapes) in one parallel loop
+std::vector<torch::Tensor> bf16_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& ws) {
+  TORCH_CHECK(xs.size() == ws.size(), "as many inputs as weights");
+  std::vector<Bf16Product> jobs;
+  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], ws[g]);
+  parallel_tiles(jobs);
+  std::vector<torch::Tensor> ys;
+  for (const auto& job : jobs) ys.push_back(job.y);
+  return ys;
 }
+
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) { return bf16_linear_group({x}, {w})[0]; }
 #endif
 
 // ---------------------------------------------------------------------------------------------- FP8
@@ -374,55 +404,76 @@ void fp8_tile_rows(int nt, int rt, const uint8_t* const* w, int64_t ldw, const v
   });
 }
 
+// One product x [R, K] @ W.T with W FP8 q [N, K] and its scales -> y [R, N] fp32, tile by tile.
 // granularity 0: per tensor, 1: per channel, 2: per block of `block` x `block`
-torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t granularity, int64_t block) {
-  const int64_t R = x.size(0), K = x.size(1), N = q.size(0);
-  check(x, q, K);
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous(), "scale must be contiguous float32");
-  const int64_t span = granularity == 2 ? block : K, block_cols = (K + block - 1) / block;
-  bool bf16 = x.scalar_type() == torch::kBFloat16;
-  if (bf16 && granularity == 2 && block % 64) {  // blocks that cut a bf16 chunk: fp32 products
-    x = x.to(torch::kFloat);
-    bf16 = false;
-  }
-#if defined(HYBRID_BF16_DOT)
-  const auto xs = bf16 ? reorder(x, kFp8Chunk, fp8_element) : x;
-#else
-  const auto& xs = x;
-#endif
-  const int64_t ldx = xs.size(1);
-  const char* xp = static_cast<const char*>(xs.data_ptr());
-  const int64_t esize = xs.element_size();
-  auto y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int nt = tile_rows(R);
-  const int64_t tiles = (N + nt - 1) / nt;
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
-    float part[kTileN][kTileR];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      int64_t n[kTileN];
-      const uint8_t* w[kTileN];
-      for (int j = 0; j < nt; ++j) n[j] = std::min(tile * nt + j, N - 1);
-      for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
-        const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
-        float sum[kTileN][kTileR] = {};
-        for (int64_t k0 = 0; k0 < K; k0 += span) {
-          for (int j = 0; j < nt; ++j) w[j] = qp + n[j] * K + k0;
-          fp8_tile_rows(nt, rt, w, K, xp + (r0 * ldx + k0) * esize, bf16, ldx, std::min(span, K - k0), part);
-          for (int j = 0; j < nt; ++j) {
-            const float s = granularity == 0 ? sp[0] : granularity == 1 ? sp[n[j]]
-                                                     : sp[(n[j] / block) * block_cols + k0 / block];
-            for (int r = 0; r < rt; ++r) sum[j][r] += part[j][r] * s;
-          }
-        }
-        for (int j = 0; j < nt && tile * nt + j < N; ++j)
-          for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = sum[j][r];
-      }
+struct Fp8Product {
+  torch::Tensor xs, q, scale, y;  // xs: x as the tiles read it (fp32, or bf16 in FP8 chunk order)
+  int64_t R, K, N, tiles, granularity, block, span, block_cols;
+  int nt;
+  bool bf16;
+  Fp8Product(torch::Tensor x, const torch::Tensor& q_, const torch::Tensor& scale_, int64_t granularity_,
+             int64_t block_)
+      : q(q_), scale(scale_), granularity(granularity_), block(block_) {
+    R = x.size(0), K = x.size(1), N = q.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
+    check(x, q, K);
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous(), "scale must be contiguous float32");
+    span = granularity == 2 ? block : K, block_cols = (K + block - 1) / block;
+    bf16 = x.scalar_type() == torch::kBFloat16;
+    if (bf16 && granularity == 2 && block % 64) {  // blocks that cut a bf16 chunk: fp32 products
+      x = x.to(torch::kFloat);
+      bf16 = false;
     }
-  });
-  return y;
+#if defined(HYBRID_BF16_DOT)
+    xs = bf16 ? reorder(x, kFp8Chunk, fp8_element) : x;
+#else
+    xs = x;
+#endif
+    y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+  }
+  void tile(int64_t t) const {
+    const int64_t ldx = xs.size(1), esize = xs.element_size();
+    const char* xp = static_cast<const char*>(xs.data_ptr());
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    const float* sp = scale.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    float part[kTileN][kTileR];
+    int64_t n[kTileN];
+    const uint8_t* w[kTileN];
+    for (int j = 0; j < nt; ++j) n[j] = std::min(t * nt + j, N - 1);
+    for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
+      const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
+      float sum[kTileN][kTileR] = {};
+      for (int64_t k0 = 0; k0 < K; k0 += span) {
+        for (int j = 0; j < nt; ++j) w[j] = qp + n[j] * K + k0;
+        fp8_tile_rows(nt, rt, w, K, xp + (r0 * ldx + k0) * esize, bf16, ldx, std::min(span, K - k0), part);
+        for (int j = 0; j < nt; ++j) {
+          const float s = granularity == 0 ? sp[0] : granularity == 1 ? sp[n[j]]
+                                                   : sp[(n[j] / block) * block_cols + k0 / block];
+          for (int r = 0; r < rt; ++r) sum[j][r] += part[j][r] * s;
+        }
+      }
+      for (int j = 0; j < nt && t * nt + j < N; ++j)
+        for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = sum[j][r];
+    }
+  }
+};
+
+// [xs[g] @ W_g.T for each g] in one parallel loop, W_g = (qs[g], scales[g]) in one FP8 layout
+std::vector<torch::Tensor> fp8_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& qs,
+                                            const std::vector<torch::Tensor>& scales, int64_t granularity,
+                                            int64_t block) {
+  TORCH_CHECK(xs.size() == qs.size() && qs.size() == scales.size(), "as many inputs as weights and scales");
+  std::vector<Fp8Product> jobs;
+  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], qs[g], scales[g], granularity, block);
+  parallel_tiles(jobs);
+  std::vector<torch::Tensor> ys;
+  for (const auto& job : jobs) ys.push_back(job.y);
+  return ys;
+}
+
+torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, int64_t granularity,
+                         int64_t block) {
+  return fp8_linear_group({x}, {q}, {scale}, granularity, block)[0];
 }
 
 // ---------------------------------------------------------------------------------------------- FP4
@@ -500,48 +551,71 @@ void fp4_tile_rows(int nt, int rt, const Fp4Rows& w, const void* x, bool bf16, i
   });
 }
 
+// One product x [R, K] @ W.T with W NVFP4 / MXFP4 (codes [N, K/2], scales [N, K/group]) -> y [R, N] fp32.
 // group 16 with E4M3 scales (NVFP4) or 32 with E8M0 scales (MXFP4); `mult` multiplies every weight
-torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group, bool e8m0_scales,
-                         double mult) {
-  const int64_t R = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(K % 16 == 0 && (group == 16 || group == 32) && K % group == 0, "K must be a multiple of the group");
-  check(x, codes, K / 2);
-  TORCH_CHECK(scales.scalar_type() == torch::kUInt8 && scales.is_contiguous() && scales.size(0) == N &&
-              scales.size(1) == K / group, "scales must be uint8 [N, K / group]");
-  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+struct Fp4Product {
+  torch::Tensor xs, codes, scales, y;  // xs: x as the tiles read it (fp32 split even / odd, bf16 FP4 chunk order)
+  int64_t R, K, N, G, tiles, group;
+  int nt;
+  bool bf16, e8m0_scales;
+  float mult;
+  Fp4Product(const torch::Tensor& x, const torch::Tensor& codes_, const torch::Tensor& scales_, int64_t group_,
+             bool e8m0_scales_, double mult_)
+      : codes(codes_), scales(scales_), group(group_), e8m0_scales(e8m0_scales_), mult(static_cast<float>(mult_)) {
+    R = x.size(0), K = x.size(1), N = codes.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
+    TORCH_CHECK(K % 16 == 0 && (group == 16 || group == 32) && K % group == 0, "K must be a multiple of the group");
+    check(x, codes, K / 2);
+    G = K / group;
+    TORCH_CHECK(scales.scalar_type() == torch::kUInt8 && scales.is_contiguous() && scales.size(0) == N &&
+                scales.size(1) == G, "scales must be uint8 [N, K / group]");
+    bf16 = x.scalar_type() == torch::kBFloat16;
 #if defined(HYBRID_BF16_DOT)
-  const auto xs = bf16 ? reorder(x, kFp4Chunk, fp4_element) : split_even_odd(x);
+    xs = bf16 ? reorder(x, kFp4Chunk, fp4_element) : split_even_odd(x);
 #else
-  const auto xs = split_even_odd(x);
+    xs = split_even_odd(x);
 #endif
-  const int nt = tile_rows(R);
-  const int64_t ldx = xs.size(1), G = K / group, tiles = (N + nt - 1) / nt;
-  const char* xp = static_cast<const char*>(xs.data_ptr());
-  const int64_t esize = xs.element_size();
-  auto y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const uint8_t* sp = scales.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
-  const float m = static_cast<float>(mult);
-  at::parallel_for(0, tiles, 4, [&](int64_t begin, int64_t end) {
+    y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+  }
+  void tile(int64_t t) const {
+    const int64_t ldx = xs.size(1), esize = xs.element_size();
+    const char* xp = static_cast<const char*>(xs.data_ptr());
+    const uint8_t* cp = codes.data_ptr<uint8_t>();
+    const uint8_t* sp = scales.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
     float part[kTileN][kTileR];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      Fp4Rows w;
-      int64_t n[kTileN];
-      for (int j = 0; j < nt; ++j) {
-        n[j] = std::min(tile * nt + j, N - 1);
-        w.codes[j] = cp + n[j] * (K / 2);
-        w.scales[j] = sp + n[j] * G;
-      }
-      for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
-        const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
-        fp4_tile_rows(nt, rt, w, xp + r0 * ldx * esize, bf16, ldx, K, group, e8m0_scales, part);
-        for (int j = 0; j < nt && tile * nt + j < N; ++j)
-          for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r] * m;
-      }
+    Fp4Rows w;
+    int64_t n[kTileN];
+    for (int j = 0; j < nt; ++j) {
+      n[j] = std::min(t * nt + j, N - 1);
+      w.codes[j] = cp + n[j] * (K / 2);
+      w.scales[j] = sp + n[j] * G;
     }
-  });
-  return y;
+    for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
+      const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
+      fp4_tile_rows(nt, rt, w, xp + r0 * ldx * esize, bf16, ldx, K, group, e8m0_scales, part);
+      for (int j = 0; j < nt && t * nt + j < N; ++j)
+        for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r] * mult;
+    }
+  }
+};
+
+// [xs[g] @ W_g.T for each g] in one parallel loop, W_g = (codes[g], scales[g], mults[g]) in one FP4 format
+std::vector<torch::Tensor> fp4_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& codes,
+                                            const std::vector<torch::Tensor>& scales, int64_t group, bool e8m0_scales,
+                                            const std::vector<double>& mults) {
+  TORCH_CHECK(xs.size() == codes.size() && codes.size() == scales.size() && scales.size() == mults.size(),
+              "as many inputs as weights, scales and multipliers");
+  std::vector<Fp4Product> jobs;
+  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], codes[g], scales[g], group, e8m0_scales, mults[g]);
+  parallel_tiles(jobs);
+  std::vector<torch::Tensor> ys;
+  for (const auto& job : jobs) ys.push_back(job.y);
+  return ys;
+}
+
+torch::Tensor fp4_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t group,
+                         bool e8m0_scales, double mult) {
+  return fp4_linear_group({x}, {codes}, {scales}, group, e8m0_scales, {mult})[0];
 }
 
 }  // namespace
@@ -549,8 +623,11 @@ torch::Tensor fp4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sca
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_linear", &fp8_linear, "x [R, K] fp32 (or bf16) @ FP8 weight.T -> [R, N] fp32");
   m.def("fp4_linear", &fp4_linear, "x [R, K] fp32 (or bf16) @ NVFP4 / MXFP4 weight.T -> [R, N] fp32");
+  m.def("fp8_linear_group", &fp8_linear_group, "[x_g @ FP8 W_g.T for each g] in one parallel loop");
+  m.def("fp4_linear_group", &fp4_linear_group, "[x_g @ NVFP4 / MXFP4 W_g.T for each g] in one parallel loop");
 #if defined(HYBRID_BF16_DOT)
   m.def("bf16_linear", &bf16_linear, "x [R, K] bf16 @ bf16 weight.T -> [R, N] fp32");
+  m.def("bf16_linear_group", &bf16_linear_group, "[x_g @ w_g.T for each g] in one parallel loop (bf16 -> fp32)");
 #endif
   m.def("avx512", &avx512, "whether the AVX-512 path was compiled");
   m.def("bf16_inputs", &bf16_inputs, "whether bfloat16 inputs are taken (AVX512_BF16 + VBMI dot products)");
