@@ -194,3 +194,22 @@ def test_packed_model_state_dict_round_trip_and_inference_only_guards(checkpoint
     with pytest.raises(RuntimeError, match="stays bf16 on the CPU"):
         model.float()
     assert model.to("cpu") is model
+
+
+def test_plain_form_weights_stay_views_of_the_checkpoint(checkpoint, tmp_path):
+    """Loading a bf16 checkpoint in the plain form copies no prepacked weight: each stays a view of the
+    file's memory map (a non-resizable storage, not one of its own), and the model computes the same as
+    its copy loaded plainly, after the loader has dropped its handle on the files."""
+    if bf16.plain_kernel() is None:
+        pytest.skip("the bf16 dot-product kernel is not built for this CPU")
+    ck = checkpoint("all4_ng2_gqa4_c8")
+    source = hybrid.load_model(ck.directory, dtype="bf16", prepack=False)
+    hybrid.save_checkpoint(source, tmp_path / "bf16")  # stored in bf16: the map holds the very bytes
+    model = hybrid.load_model(tmp_path / "bf16")
+    stored = [m.packed for m in model.modules() if isinstance(m, PrepackedLinear)]
+    stored += [w for m in model.modules() if isinstance(m, PrepackedExpertBank) for w in m.up + m.down]
+    assert stored and not any(t.untyped_storage().resizable() for t in stored)
+    prepack(source)  # the same modules, packed from tensors in memory
+    ids = torch.randint(3, ck.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(model(ids), source(ids))

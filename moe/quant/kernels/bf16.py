@@ -3,13 +3,16 @@
 
 A weight is stored, once, in one of two forms (`pack`), and every product dispatches on the form:
 
-    plain    the [out, in] matrix as it is, in memory of its own, where the packed-weight extension has its
+    plain    the [out, in] matrix as it is, where the packed-weight extension has its
              bf16 dot-product kernel (`moe.quant.kernels.cpu`: AVX512_BF16 + AVX512_VBMI): inputs of up to
              `DECODE_ROWS` rows (decode) run there, streaming the weight at about 30 GB/s on this project's
              2-core machine where oneDNN's prepacked product reads it at 19-25 (Nano's 1,856 x 2,688 expert
              projections, 10,304 x 2,688 Mamba in_proj and 32K x 2,688 head, from DRAM); larger inputs run
-             PyTorch's matmul, within 2-14% of oneDNN's prepacked GEMM at 128-512 rows. Nothing is reordered
-             at load.
+             PyTorch's matmul, within 2-14% of oneDNN's prepacked GEMM at 128-512 rows. Nothing is copied:
+             a weight read from a checkpoint stays a view of its read-only memory map (as llama.cpp maps
+             its GGUF), so loading does not touch the bytes and the first forward reads them from the OS
+             page cache; the model and the page cache share one copy. (The checkpoint files must then not
+             be rewritten in place while the model lives; this project's writer replaces files atomically.)
     oneDNN   oneDNN's blocked layout (`moe.quant.kernels.onednn`) on other CPUs with oneDNN bf16.
 """
 
@@ -35,11 +38,11 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] bf16 (CPU; possibly a view of a memory-mapped file) -> its stored form: a contiguous
-    copy of its own (plain) or an opaque oneDNN tensor."""
+    """weight [out, in] bf16 (CPU; possibly a view of a memory-mapped file) -> its stored form: `weight`
+    itself when contiguous (plain: shared, never written), or an opaque oneDNN tensor (a copy)."""
     weight = weight.detach()
     if plain_kernel() is not None:
-        return weight.clone(memory_format=torch.contiguous_format)
+        return weight.contiguous()
     return onednn.pack(weight)
 
 
