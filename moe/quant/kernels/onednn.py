@@ -4,8 +4,10 @@ Why: on an AVX-512-BF16 CPU (2 threads), eager `x @ W.T` with a bf16 weight read
 when x is a single row (decode), while oneDNN's inner-product primitive on a prepacked weight reads it at
 28 GB/s (640 x 1024, an expert) to 46 GB/s (12352 x 2048), and runs prompt-sized GEMMs at about 430
 GFLOP/s (measured; `scripts/bench.py` shows the effect on whole models). This is the path PyTorch's
-inductor takes for frozen bf16 linears on CPU. The modules that hold such weights are
-`moe.quant.prepacked.PrepackedLinear` and `moe.experts.PrepackedExpertBank`.
+inductor takes for frozen bf16 linears on CPU. It is one of the two stored forms of the prepacked modules
+(`moe.quant.prepacked.PrepackedLinear`, `moe.experts.PrepackedExpertBank`; `moe.quant.kernels.bf16` picks):
+the one for CPUs without this project's bf16 dot-product kernel (on Nano's matrices from DRAM, at one row,
+that kernel reads 30-46 GB/s where this path reads 19-31 in the same run).
 
 Private PyTorch operators used here (and nowhere else): `torch.ops.mkldnn._reorder_linear_weight`,
 `torch.ops.mkldnn._linear_pointwise`, `torch.ops.mkldnn._is_mkldnn_bf16_supported`.
