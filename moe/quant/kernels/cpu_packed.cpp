@@ -128,9 +128,9 @@ void with_tile(int nt, int rt, F&& f) {
 
 // jobs[g].tile(t) for every tile t < jobs[g].tiles of every job, in one parallel loop over all of them (a
 // group of products, e.g. the k experts a decoded token chose: one fork of the threads instead of k, the
-// threads balanced over the whole group)
+// threads balanced over the whole group); returns the jobs' outputs `y`
 template <typename Job>
-void parallel_tiles(const std::vector<Job>& jobs) {
+std::vector<torch::Tensor> parallel_tiles(const std::vector<Job>& jobs) {
   std::vector<int64_t> first(jobs.size() + 1, 0);
   for (size_t g = 0; g < jobs.size(); ++g) first[g + 1] = first[g] + jobs[g].tiles;
   at::parallel_for(0, first.back(), 4, [&](int64_t begin, int64_t end) {
@@ -140,6 +140,9 @@ void parallel_tiles(const std::vector<Job>& jobs) {
       jobs[g].tile(t - first[g]);
     }
   });
+  std::vector<torch::Tensor> ys;  // each job's output
+  for (const auto& job : jobs) ys.push_back(job.y);
+  return ys;
 }
 
 // A tile reads its NT weight rows as as many short streams, and the hardware prefetchers lose the pace
@@ -352,10 +355,7 @@ std::vector<torch::Tensor> bf16_linear_group(const std::vector<torch::Tensor>& x
   TORCH_CHECK(xs.size() == ws.size(), "as many inputs as weights");
   std::vector<Bf16Product> jobs;
   for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], ws[g]);
-  parallel_tiles(jobs);
-  std::vector<torch::Tensor> ys;
-  for (const auto& job : jobs) ys.push_back(job.y);
-  return ys;
+  return parallel_tiles(jobs);
 }
 
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) { return bf16_linear_group({x}, {w})[0]; }
@@ -465,10 +465,7 @@ std::vector<torch::Tensor> fp8_linear_group(const std::vector<torch::Tensor>& xs
   TORCH_CHECK(xs.size() == qs.size() && qs.size() == scales.size(), "as many inputs as weights and scales");
   std::vector<Fp8Product> jobs;
   for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], qs[g], scales[g], granularity, block);
-  parallel_tiles(jobs);
-  std::vector<torch::Tensor> ys;
-  for (const auto& job : jobs) ys.push_back(job.y);
-  return ys;
+  return parallel_tiles(jobs);
 }
 
 torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, int64_t granularity,
@@ -607,10 +604,7 @@ std::vector<torch::Tensor> fp4_linear_group(const std::vector<torch::Tensor>& xs
               "as many inputs as weights, scales and multipliers");
   std::vector<Fp4Product> jobs;
   for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], codes[g], scales[g], group, e8m0_scales, mults[g]);
-  parallel_tiles(jobs);
-  std::vector<torch::Tensor> ys;
-  for (const auto& job : jobs) ys.push_back(job.y);
-  return ys;
+  return parallel_tiles(jobs);
 }
 
 torch::Tensor fp4_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t group,
