@@ -51,14 +51,19 @@ def _combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, token_
 
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int,
-             expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+             expert: Callable[[int, torch.Tensor], torch.Tensor],
+             one_token: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Run `expert(e, x_e)` for every expert e that some token chose, and combine: x [T, L], weights [T, k]
     fp32, ids [T, k] -> [T, L] in x's dtype.
 
     Each chosen expert gets its contiguous slice `x_e` [n_e, L] of the tokens sorted by expert. A single
-    token (decode at batch 1) skips the sort: its k experts run in turn.
+    token (decode at batch 1) skips the sort: its k experts run in turn, or all at once through
+    `one_token(chosen, x)` -> [k, 1, L] when given (a bank's kernel taking the k experts in one call).
     """
     T = ids.shape[0]
+    if T == 1 and one_token is not None:
+        y = one_token(ids[0].tolist(), x)
+        return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # summed in fp32
     if T == 1:  # nothing to sort or scatter
         y = torch.zeros(1, x.shape[-1], dtype=torch.float32, device=x.device)
         for e, w in zip(ids[0].tolist(), weights[0].tolist()):
@@ -146,19 +151,18 @@ class QuantExpertBank(nn.Module):
         if not self.act_quant and all(isinstance(p, PackedWeight) for p in (self.up_proj, self.down_proj)) \
                 and kernels.triton_for(x, self.up_proj.fmt, self.down_proj.fmt) is not None:
             return self.fused(x, weights, ids)
-        if ids.shape[0] == 1 and not self.act_quant and all(
-                isinstance(p, PackedWeight) and kernels.cpu_for(x, p.fmt) is not None for p in (self.up_proj, self.down_proj)):
-            return self._one_token_cpu(x, weights, ids)
+        one_token = self._one_token_cpu if not self.act_quant and all(
+            isinstance(p, PackedWeight) and kernels.cpu_for(x, p.fmt) is not None for p in (self.up_proj, self.down_proj)
+        ) else None
         return dispatch(x, weights, ids, self.n_experts,
-                        lambda e, part: self._matmul(self.down_proj, relu2(self._matmul(self.up_proj, part, e)), e))
+                        lambda e, part: self._matmul(self.down_proj, relu2(self._matmul(self.up_proj, part, e)), e),
+                        one_token)
 
-    def _one_token_cpu(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """One token (decode) on the CPU kernels: its k experts' up projections in one call of the extension,
-        then their down projections in another; the same operations as `dispatch` and `_matmul` otherwise."""
-        chosen = ids[0].tolist()
+    def _one_token_cpu(self, chosen: list[int], x: torch.Tensor) -> torch.Tensor:
+        """One token's k experts on the CPU kernels -> [k, 1, L]: their up projections in one call of the
+        extension, then their down projections in another; the same operations as `_matmul` otherwise."""
         h = [relu2(t.to(x.dtype)) for t in cpu.linear_group([x] * len(chosen), self.up_proj, chosen)]
-        y = torch.stack(cpu.linear_group(h, self.down_proj, chosen)).to(x.dtype)
-        return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # as dispatch: summed in fp32
+        return torch.stack(cpu.linear_group(h, self.down_proj, chosen)).to(x.dtype)
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The forward with both projections of all chosen experts in two grouped Triton launches (weights
@@ -219,13 +223,13 @@ class PrepackedExpertBank(Prepacked):
         return torch.stack([bf16.unpack(w) for w in self.down])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if ids.shape[0] == 1:  # one token (decode): its k experts' up projections in one call, then the downs
-            chosen = ids[0].tolist()
-            h = bf16.linear_group([x] * len(chosen), [self.up[e] for e in chosen], relu=True)
-            y = torch.stack(bf16.linear_group([t.square() for t in h], [self.down[e] for e in chosen]))
-            return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # as dispatch: summed in fp32
         return dispatch(x, weights, ids, self.n_experts, lambda e, part: bf16.linear(
-            bf16.linear(part, self.up[e], relu=True).square(), self.down[e]))
+            bf16.linear(part, self.up[e], relu=True).square(), self.down[e]), self._one_token)
+
+    def _one_token(self, chosen: list[int], x: torch.Tensor) -> torch.Tensor:
+        """One token's k experts -> [k, 1, L]: their up projections in one kernel call, then the downs."""
+        h = bf16.linear_group([x] * len(chosen), [self.up[e] for e in chosen], relu=True)
+        return torch.stack(bf16.linear_group([t.square() for t in h], [self.down[e] for e in chosen]))
 
     def to_plain(self) -> ExpertBank:
         """The `ExpertBank` with these weights (dense copies)."""

@@ -55,14 +55,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     """`x @ W.T + bias`, then ReLU when `relu`: x [..., in] bf16, packed from `pack(W)` -> [..., out] bf16."""
     if packed.is_mkldnn:
         return onednn.linear(x, packed, bias, relu)
-    rows = x.numel() // x.shape[-1]
-    if rows <= DECODE_ROWS:
-        y = plain_kernel().bf16_linear(x.reshape(rows, x.shape[-1]).contiguous(), packed)
-        if bias is not None:
-            y += bias
-        y = y.reshape(*x.shape[:-1], packed.shape[0])
-    else:
-        y = F.linear(x, packed, bias)
+    if x.numel() <= DECODE_ROWS * x.shape[-1]:
+        return _from_kernel(x, plain_kernel().bf16_linear(_rows(x), packed), bias, relu)
+    y = F.linear(x, packed, bias)
     return (torch.relu(y) if relu else y).to(torch.bfloat16)
 
 
@@ -73,6 +68,18 @@ def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool =
     ext = plain_kernel()
     if ext is None or any(p.is_mkldnn for p in packs) or any(x.numel() > DECODE_ROWS * x.shape[-1] for x in xs):
         return [linear(x, p, relu=relu) for x, p in zip(xs, packs)]
-    ys = ext.bf16_linear_group([x.reshape(-1, x.shape[-1]).contiguous() for x in xs], list(packs))
-    return [(torch.relu(y) if relu else y).to(torch.bfloat16).reshape(*x.shape[:-1], y.shape[-1])
-            for x, y in zip(xs, ys)]
+    ys = ext.bf16_linear_group([_rows(x) for x in xs], list(packs))
+    return [_from_kernel(x, y, None, relu) for x, y in zip(xs, ys)]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., in] as the contiguous [rows, in] the kernel takes."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _from_kernel(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, relu: bool) -> torch.Tensor:
+    """The kernel's fp32 [rows, out] for x [..., in] -> [..., out] bf16, the bias added and ReLU applied first."""
+    if bias is not None:
+        y = y + bias
+    y = y.reshape(*x.shape[:-1], y.shape[-1])
+    return (torch.relu(y) if relu else y).to(torch.bfloat16)
