@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from hybrid.atomic import umask
 from hybrid.checkpoint_files import INDEX_NAME, SINGLE_NAME
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
@@ -68,12 +69,6 @@ def check_destination(destination: Path, source: Path | None, overwrite: bool) -
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise WriteError(f"{destination} exists and is not empty: choose another directory, or overwrite it "
                          "(--overwrite; overwrite=True)")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class CheckpointWriter:
@@ -166,7 +161,7 @@ class CheckpointWriter:
             index = {"metadata": {"total_size": self.report.weight_bytes}, "weight_map": weight_map}
             (self.tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         self._copy_source_files()
-        mask = _umask()
+        mask = umask()
         for f in self.tmp.iterdir():
             f.chmod(0o666 & ~mask)
         self.tmp.chmod(0o777 & ~mask)
