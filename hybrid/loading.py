@@ -14,7 +14,7 @@ the files the model does not use, or a shape that differs from the config's is a
 
 Each tensor is read from a memory map and copied once, straight into its final dtype and device; its pages
 of the map are then dropped from the process (`CheckpointFiles.release`), so loading holds one copy. The
-model's identity (`HybridForCausalLM.identity`) is taken from the loaded tensors. A bf16 model on a CPU
+model's identity (`HybridForCausalLM.identity`) is taken on first use, from the loaded tensors. A bf16 model on a CPU
 with bf16 kernels (`moe.quant.kernels.bf16`) is prepacked for inference as it is read (`moe.prepack`);
 where that is the plain form, its bf16 matrices are not copied at all but stay views of the read-only map
 (8.4 GB nano-slice: loading 6-7 s -> 0.9 s), read from the page cache by the first forward.
@@ -33,7 +33,6 @@ from hybrid.config import HybridConfig
 from hybrid.dtypes import torch_dtype
 from hybrid.model import HybridForCausalLM
 from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
-from hybrid.fingerprint import WeightsDigest, tensor_sample
 from moe.experts import PrepackedExpertBank
 from moe.prepack import prepackable
 from moe.quant import PackedWeight, PrepackedLinear, QuantFormat, swap_modules
@@ -112,8 +111,7 @@ def load_model(
 
 def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str | torch.device = "cpu",
                  prepack: bool = False, progress: bool = False) -> None:
-    """Fill every parameter and buffer of `model` (built on meta) from `files`, strictly, and take the
-    weights' digest of its identity from the tensors as read.
+    """Fill every parameter and buffer of `model` (built on meta) from `files`, strictly.
 
     prepack: the bf16 linears and expert banks `moe.prepack.prepackable` names are packed (`moe.quant.kernels.bf16`)
         as they are read, one matrix at a time (an expert bank is never whole in memory in its dense form).
@@ -136,8 +134,7 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
     with tqdm(total=total, unit="B", unit_scale=True, desc="load", delay=2, disable=not progress) as bar:
         loaded, _, _ = read_tensors(targets, files, device, model)
         bar.update(sum(files.nbytes(s) for n in targets for s in sources[n]))
-        digest = WeightsDigest()
-        packed = {name: _packed(name, m, files, model, sources, digest, bar) for name, m in packable.items()}
+        packed = {name: _packed(name, m, files, model, sources, bar) for name, m in packable.items()}
     if tied:
         loaded["lm_head.weight"] = loaded.get("backbone.embeddings.weight")
         if "lm_head.weight" in files:
@@ -149,13 +146,10 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
                     f"{files.file_of('lm_head.weight')}: config.json sets tie_word_embeddings, but lm_head.weight "
                     "differs from backbone.embeddings.weight"
                 )
-    for n, t in loaded.items():
-        digest.add(n, tuple(t.shape), t.dtype, tensor_sample(t))
     if packed:
         swap_modules(model, lambda name, m: packed.get(name))
         model.requires_grad_(False)  # inference only: a backward pass raises (see moe.prepack)
     model.load_state_dict(loaded, strict=not packed, assign=True)
-    model.set_weights_digest(digest.hexdigest())
     if tied:
         model.lm_head.weight = model.backbone.embeddings.weight
 
@@ -196,9 +190,9 @@ def _check_all(model: HybridForCausalLM, files: CheckpointFiles, sources: dict[s
 
 
 def _packed(name: str, module: nn.Module, files: CheckpointFiles, model: HybridForCausalLM,
-            sources: dict[str, list[str]], digest: WeightsDigest, bar) -> nn.Module:
+            sources: dict[str, list[str]], bar) -> nn.Module:
     """The prepacked form of meta module `name`, packed from the files one matrix at a time (each read as a
-    bf16 copy, its pages released, packed, dropped); its dense tensors' samples go into `digest`."""
+    bf16 view of the map or a converted copy, packed, its pages released)."""
 
     def read(source: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A bf16 file tensor as a view of the memory map (packed straight from it, then its pages
@@ -211,12 +205,10 @@ def _packed(name: str, module: nn.Module, files: CheckpointFiles, model: HybridF
     if isinstance(module, nn.Linear):
         source = sources[f"{name}.weight"][0]
         w = read(source, tuple(module.weight.shape))
-        digest.add(f"{name}.weight", tuple(w.shape), w.dtype, tensor_sample(w))
         packed = PrepackedLinear(module, w)
         files.release(source)
         return packed
-    samples: dict[str, list[bytes]] = {"up_proj": [], "down_proj": []}
-    stacks = {proj: getattr(module, proj) for proj in samples}
+    stacks = {proj: getattr(module, proj) for proj in ("up_proj", "down_proj")}
 
     def experts():
         for j in range(module.n_experts):
@@ -228,16 +220,12 @@ def _packed(name: str, module: nn.Module, files: CheckpointFiles, model: HybridF
                     w = read(sources_of[j], tuple(stack.shape[1:]))
                 else:  # stored stacked
                     w = read_tensor(files, sources_of[0], tuple(stack.shape), torch.bfloat16, model)[j]
-                samples[proj].append(tensor_sample(w))
                 pair.append(w)
             yield tuple(pair)  # packed by the bank
             for source in names:
                 files.release(source)
 
-    bank = PrepackedExpertBank(module, experts())
-    for proj, stack in stacks.items():
-        digest.add(f"{name}.{proj}", tuple(stack.shape), torch.bfloat16, b"".join(samples[proj]))
-    return bank
+    return PrepackedExpertBank(module, experts())
 
 
 def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, device: str | torch.device,
@@ -364,11 +352,23 @@ def load(
     """Load a model and its tokenizer: `(HybridForCausalLM, Tokenizer)`.
 
     The tokenizer's `stop_ids` are the union of config.json's, generation_config.json's and the
-    tokenizer's eos ids. Raises what `load_model` and `Tokenizer.from_dir` raise.
+    tokenizer's eos ids. Tokenizer entries past the model's vocabulary (`config.vocab_size`) are noted with a
+    UserWarning: such ids cannot be fed to the model (the forward refuses them), though padding with them
+    works. Raises what `load_model` and `Tokenizer.from_dir` raise.
     """
+    import warnings
+
     from hybrid.tokenizer import Tokenizer
 
     directory = resolve_checkpoint(path_or_repo, revision)
     model = load_model(directory, dtype, device, act_quant=act_quant, prepack=prepack, progress=progress)
     tokenizer = Tokenizer.from_dir(directory, config_eos=model.config.eos_token_ids, config_pad=model.config.pad_token_id)
+    vocab = model.config.vocab_size
+    extra = tokenizer.tokens_from(vocab)
+    if extra:
+        shown = ", ".join(f"{t!r} = {i}" for i, t in list(extra.items())[:5]) + (" ..." if len(extra) > 5 else "")
+        one = len(extra) == 1
+        warnings.warn(f"{directory}: the tokenizer has {len(extra)} token{'' if one else 's'} past the model's "
+                      f"vocabulary (config.vocab_size {vocab}): {shown}; {'it' if one else 'they'} cannot be fed "
+                      "to the model (padding with them is fine)", stacklevel=2)
     return model, tokenizer

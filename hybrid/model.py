@@ -164,23 +164,30 @@ class HybridForCausalLM(nn.Module):
     @property
     def identity(self) -> str:
         """A hex digest naming this model's numbers (`hybrid.fingerprint`): config, dtype, quantization,
-        act_quant and the weights. The weights' part is taken by `load_state_dict` (so at load, from the
-        tensors as read), or on first use from the current tensors for a model built in memory; in-place edits
-        of the weights after that are not seen (call `reset_identity`)."""
+        act_quant and every byte of every weight. The weights' part is taken on first use from the current
+        tensors (reading all of them once) and kept; `load_state_dict`, `cast` and quantization forget it, and
+        after editing weights in place call `reset_identity`."""
         if self._weights_digest is None:
-            self._weights_digest = fingerprint.weights_digest(self.named_tensors())
+            self._weights_digest = fingerprint.weights_digest(self.weight_pieces())
         config = dataclasses.replace(self.config, quantization_config=None).to_dict()  # the quantization: below
         quant = None if self.quantization is None else self.quantization.files
         return fingerprint.identity(config, self.dtype, quant, self.act_quant, self._weights_digest)
 
-    def set_weights_digest(self, digest: str) -> None:
-        """Adopt the weights' digest a loader took from the tensors it read (`hybrid.fingerprint`), for a model
-        whose tensors did not all pass through `load_state_dict` (prepacked as they were read)."""
-        self._weights_digest = digest
-
     def reset_identity(self) -> None:
         """Forget the weights' digest (after the weights changed in place); the next `identity` retakes it."""
         self._weights_digest = None
+
+    def weight_pieces(self):
+        """(name, shape, dtype, pieces) of every state-dict tensor, in its order: `pieces` yields the tensor
+        itself, or for a prepacked module its dense form in row-major slices (an expert bank one expert at a
+        time, never stacked), each read only when the caller iterates it."""
+        for mname, module in self.named_modules():
+            prefix = f"{mname}." if mname else ""
+            if isinstance(module, Prepacked):
+                for n, shape, pieces in module.dense_pieces():
+                    yield prefix + n, shape, torch.bfloat16, pieces
+            for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+                yield prefix + n, tuple(t.shape), t.dtype, (t,)
 
     def named_tensors(self):
         """The state dict's (name, tensor) pairs, in its order, one module at a time (a prepacked module's
@@ -193,10 +200,9 @@ class HybridForCausalLM(nn.Module):
             yield from ((prefix + n, t) for n, t in module.named_buffers(recurse=False))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """`nn.Module.load_state_dict`; a strict load also takes the weights' digest of `identity` from the
-        tensors given, any other load forgets it."""
+        """`nn.Module.load_state_dict`, forgetting the weights' digest of `identity` (retaken on its next use)."""
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        self._weights_digest = fingerprint.weights_digest(state_dict.items()) if strict else None
+        self.reset_identity()
         return result
 
     def cast(self, dtype: torch.dtype) -> "HybridForCausalLM":
@@ -244,6 +250,8 @@ class HybridForCausalLM(nn.Module):
         record: keep per-token Mamba states so that `cache.rollback` can undo a suffix of these tokens.
         return_hidden: also return the normalised hidden states [B, T, H] that `lm_head` reads (the
             input of the MTP block), as `(logits, hidden)`.
+        Raises:
+            ValueError: see `hidden_states` (e.g. a token id outside the vocabulary, named with its position).
         """
         h = self.hidden_states(input_ids, cache, attention_mask, record)
         if logits_to_keep:
@@ -261,13 +269,21 @@ class HybridForCausalLM(nn.Module):
         record: bool = False,
     ) -> torch.Tensor:
         """The normalised output of the stack, `norm_f(h)`: [B, T, hidden_size] in the model dtype (what
-        `logits` and the MTP block read)."""
+        `logits` and the MTP block read). Padded positions (False in `attention_mask`) may hold any id: they
+        never reach the embedding.
+
+        Raises:
+            ValueError: input_ids not [batch, tokens] of integers, a real token id outside [0, vocab_size),
+                or an attention_mask of the wrong shape.
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
         mask = self._token_mask(attention_mask, B, T, cache)
+        ids = input_ids if mask is None else input_ids.masked_fill(~mask, 0)
+        self._check_ids(ids)  # before the cache advances
         ctx = cache.begin(B, T, mask, record) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
-        h = self.backbone.embeddings(input_ids)
+        h = self.backbone.embeddings(ids)
         for i, block in enumerate(self.backbone.layers):
             h = block(h, ctx, cache.layer(i) if cache is not None else None)
         return self.backbone.norm_f(h)
@@ -292,6 +308,18 @@ class HybridForCausalLM(nn.Module):
         if self.mtp is None:
             raise ValueError("this model has no MTP block (num_nextn_predict_layers is 0)")
         return self.logits(self.mtp(hidden, self.backbone.embeddings(next_ids), StepContext(past=0, mask=None, key_mask=None)))
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        """Refuse ids the embedding cannot look up (torch would fail deep inside with "index out of range");
+        one reduction over the batch."""
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got {ids.dtype}")
+        vocab = self.backbone.embeddings.num_embeddings
+        outside = (ids < 0) | (ids >= vocab)
+        if bool(outside.any()):
+            row, col = outside.nonzero()[0].tolist()
+            raise ValueError(f"token id {int(ids[row, col])} (input_ids[{row}, {col}]) is outside the model's "
+                             f"vocabulary: ids must lie in [0, {vocab}) (config.vocab_size)")
 
     @staticmethod
     def _token_mask(attention_mask, B: int, T: int, cache: Cache | None) -> torch.Tensor | None:

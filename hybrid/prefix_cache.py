@@ -33,9 +33,14 @@ from pathlib import Path
 
 import torch
 
+from hybrid.atomic import atomic_path
 from hybrid.cache import Cache
 from hybrid.config import ATTENTION, MAMBA
 from hybrid.model import HybridForCausalLM
+
+
+class PrefixCacheFileError(ValueError):
+    """A prefix-cache file that cannot be used with this model (names the file and why)."""
 
 
 @dataclass
@@ -126,7 +131,9 @@ class PrefixCache:
 
     # ------------------------------------------------------------------------------------------ persistence
     def save(self, path: str | Path) -> None:
-        """Write every snapshot to one safetensors file, with the model identity and tree in its metadata."""
+        """Write every snapshot to one safetensors file, with the model identity and tree in its metadata.
+        The file is written beside `path` and renamed into place (`hybrid.atomic`): an interrupted save
+        leaves the previous file."""
         from safetensors.torch import save_file
 
         def depth(node: _Node) -> int:
@@ -143,42 +150,75 @@ class PrefixCache:
             for j, (conv, ssm) in enumerate(node.mamba):
                 tensors[f"{i}.mamba.{j}.conv"], tensors[f"{i}.mamba.{j}.ssm"] = conv.contiguous(), ssm.contiguous()
         meta = {"identity": self.identity, "block_size": str(self.block_size), "nodes": json.dumps(nodes)}
-        save_file(tensors, str(path), metadata=meta)
+        with atomic_path(path) as tmp:
+            save_file(tensors, str(tmp), metadata=meta)
 
     def load(self, path: str | Path) -> int:
-        """Add the snapshots saved in `path` (see `save`); returns how many were added.
+        """Add the snapshots saved in `path` (see `save`); returns how many were added. The whole file is
+        checked before anything is added: a file that fails adds nothing.
 
         Raises:
-            ValueError: the file was written for another model (identity) or another block size, or it
-                lacks a tensor its node list names.
+            PrefixCacheFileError: the file is not a readable safetensors file (cut short, another format),
+                was written for another model (identity) or another block size, or its node list or a
+                tensor (missing, or of another shape or dtype than this model's snapshots) is malformed.
         """
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt", device=str(self.model.device)) as f:
-            meta = f.metadata() or {}
-            if meta.get("identity") != self.identity:
-                raise ValueError(f"{path}: prefix cache was written for another model (identity "
-                                 f"{meta.get('identity', 'missing')[:12]}, this model {self.identity[:12]})")
-            if meta.get("block_size") != str(self.block_size):
-                raise ValueError(f"{path}: block_size {meta.get('block_size')} differs from {self.block_size}")
-            keys = set(f.keys())
-            n_kv = len(self.model.config.layer_indices(ATTENTION))
-            n_mamba = len(self.model.config.layer_indices(MAMBA))
-            added = 0
-            for i, entry in enumerate(json.loads(meta["nodes"])):
-                def get(name):
-                    if f"{i}.{name}" not in keys:
-                        raise ValueError(f"{path}: missing tensor {i}.{name}")
-                    return f.get_tensor(f"{i}.{name}")
-
-                kv = [(get(f"kv.{j}.k"), get(f"kv.{j}.v")) for j in range(n_kv)]
-                mamba = [(get(f"mamba.{j}.conv"), get(f"mamba.{j}.ssm")) for j in range(n_mamba)]
-                parent = entry["parent"]
-                if entry["digest"] not in self._nodes and (parent is None or parent in self._nodes):
-                    self._add(_Node(entry["digest"], parent, kv, mamba))
-                    added += 1
+        try:
+            with safe_open(str(path), framework="pt", device=str(self.model.device)) as f:
+                nodes = self._read_nodes(path, f)
+        except (SafetensorError, OSError) as e:
+            raise PrefixCacheFileError(f"{path}: not a readable prefix-cache file ({e})") from None
+        added = 0
+        for node in nodes:
+            if node.digest not in self._nodes and (node.parent is None or node.parent in self._nodes):
+                self._add(node)
+                added += 1
         self._evict(keep=set())
         return added
+
+    def _read_nodes(self, path, f) -> list[_Node]:
+        """The nodes of open safetensors file `f`, every name, shape and dtype checked (see `load`)."""
+        def bad(why: str) -> PrefixCacheFileError:
+            return PrefixCacheFileError(f"{path}: {why}")
+
+        meta = f.metadata() or {}
+        if meta.get("identity") != self.identity:
+            raise bad(f"prefix cache was written for another model (identity {str(meta.get('identity', 'missing'))[:12]}, "
+                      f"this model {self.identity[:12]})")
+        if meta.get("block_size") != str(self.block_size):
+            raise bad(f"block_size {meta.get('block_size')} differs from {self.block_size}")
+        try:
+            entries = json.loads(meta.get("nodes", ""))
+        except json.JSONDecodeError:
+            raise bad("its node list (metadata 'nodes') is not JSON") from None
+        if not isinstance(entries, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("digest"), str)
+                and (e.get("parent") is None or isinstance(e.get("parent"), str)) for e in entries):
+            raise bad("its node list is not a list of {'digest': str, 'parent': str or null}")
+        kv_spec, mamba_spec = self._snapshot_specs()
+        keys, nodes = set(f.keys()), []
+        for i, entry in enumerate(entries):
+            def get(name: str, spec: tuple[tuple[int, ...], torch.dtype]) -> torch.Tensor:
+                if f"{i}.{name}" not in keys:
+                    raise bad(f"missing tensor {i}.{name}")
+                t = f.get_tensor(f"{i}.{name}")
+                if (tuple(t.shape), t.dtype) != spec:
+                    raise bad(f"tensor {i}.{name} is {tuple(t.shape)} {t.dtype}, this model's snapshots are "
+                              f"{spec[0]} {spec[1]}")
+                return t
+
+            kv = [(get(f"kv.{j}.k", s), get(f"kv.{j}.v", s)) for j, s in enumerate(kv_spec)]
+            mamba = [(get(f"mamba.{j}.conv", c), get(f"mamba.{j}.ssm", m)) for j, (c, m) in enumerate(mamba_spec)]
+            nodes.append(_Node(entry["digest"], entry["parent"], kv, mamba))
+        return nodes
+
+    def _snapshot_specs(self):
+        """(shape, dtype) of one block's keys (or values) per attention layer, and of (conv, ssm) per Mamba layer."""
+        cache = self.model.new_cache(1, self.block_size)
+        kv = [((k.shape[0], self.block_size, k.shape[2]), k.dtype) for k, _ in cache.snapshot_kv(0, 0, 0)]
+        mamba = [((tuple(c.shape), c.dtype), (tuple(m.shape), m.dtype)) for c, m in cache.snapshot_mamba(0)]
+        return kv, mamba
 
     # ------------------------------------------------------------------------------------------ internals
     def _digest(self, parent: str, block: list[int]) -> str:

@@ -231,6 +231,11 @@ class PrepackedExpertBank(Prepacked):
         h = bf16.linear_group([x] * len(chosen), [self.up[e] for e in chosen], relu=True)
         return torch.stack(bf16.linear_group([t.square() for t in h], [self.down[e] for e in chosen]))
 
+    def dense_pieces(self):
+        """(name, [E, out, in], its E experts' dense weights one at a time), for `up_proj` and `down_proj`."""
+        for name, packs in (("up_proj", self.up), ("down_proj", self.down)):
+            yield name, self.shapes[name], (bf16.dense(w) for w in packs)
+
     def to_plain(self) -> ExpertBank:
         """The `ExpertBank` with these weights (dense copies)."""
         up = self.up_proj

@@ -1,6 +1,7 @@
-"""Model identity (`HybridForCausalLM.identity`): taken once, at load, from the tensors as read; the same for the
-same numbers however the model came to be; different whenever weights, dtype, quantization or act_quant
-differ; invalidated by `load_state_dict`; never densifying prepacked weights."""
+"""Model identity (`HybridForCausalLM.identity`): taken on first use from every byte of the weights; the same for
+the same numbers however the model came to be (loaded, built in memory, prepacked in either form); different
+whenever one weight element, the dtype, quantization or act_quant differ; invalidated by `load_state_dict`;
+never stacking a prepacked expert bank."""
 
 import pytest
 import torch
@@ -8,8 +9,8 @@ from safetensors.torch import load_file, save_file
 
 import hybrid
 from hybrid.quantize import quantize_model
-from moe.quant import Prepacked
-from moe.quant.kernels import onednn
+from moe.experts import PrepackedExpertBank
+from moe.quant.kernels import bf16, onednn
 from tiny_checkpoint import random_model, write_checkpoint
 
 
@@ -25,18 +26,29 @@ def test_loaded_and_in_memory_models_agree(tmp_path):
     assert hybrid.load_model(tmp_path).identity == model.identity
 
 
-def test_one_changed_expert_changes_the_identity(source, tmp_path):
-    """Only expert 5 of one layer differs (in a single row): the sample reads every expert's bytes."""
+def _with_one_element_changed(source, tmp_path, name, index, bf16_step: bool):
+    """A copy of fp32 checkpoint `source` in `tmp_path` with one element of tensor `name` changed: by one fp32
+    ulp, or by one bf16 ulp (smaller changes vanish when the model is loaded in bf16: the same numbers)."""
     tensors = load_file(source / "model.safetensors")
-    name = "backbone.layers.1.mixer.experts.5.down_proj.weight"
-    tensors[name] = tensors[name].clone()
-    tensors[name][7] += 0.25
+    t = tensors[name].clone()
+    x = t[index].to(torch.bfloat16) if bf16_step else t[index]
+    t[index] = torch.nextafter(x, x + 1).float()
+    tensors[name] = t
     for f in source.iterdir():
         if f.name != "model.safetensors":
             (tmp_path / f.name).write_bytes(f.read_bytes())
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    assert hybrid.load_model(tmp_path).identity != hybrid.load_model(source).identity
-    assert hybrid.load_model(source).identity == hybrid.load_model(source).identity
+    return tmp_path
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_one_element_in_the_middle_of_an_expert_bank_changes_the_identity(source, tmp_path, dtype):
+    """One element (one ulp of the model dtype) in the middle of expert 5 of one bank: every byte is read."""
+    name = "backbone.layers.1.mixer.experts.5.down_proj.weight"
+    shape = load_file(source / "model.safetensors")[name].shape
+    changed = _with_one_element_changed(source, tmp_path, name, (shape[0] // 2, shape[1] // 2), dtype == "bf16")
+    assert hybrid.load_model(changed, dtype=dtype).identity != hybrid.load_model(source, dtype=dtype).identity
+    assert hybrid.load_model(source, dtype=dtype).identity == hybrid.load_model(source, dtype=dtype).identity
 
 
 def test_dtype_quantization_and_act_quant_change_the_identity(source, tmp_path):
@@ -63,14 +75,21 @@ def test_load_state_dict_takes_the_identity_of_what_it_loads(source):
     assert model.identity == other.identity
 
 
-@pytest.mark.skipif(not onednn.available(), reason="no oneDNN bf16 on this CPU / PyTorch build")
-def test_a_prepacked_model_names_itself_without_dense_copies(source, monkeypatch):
+@pytest.mark.parametrize("form", ["plain", "onednn"])
+def test_a_prepacked_model_names_itself_as_the_plain_one(source, monkeypatch, form):
+    """Either stored form gives the identity of the unpacked model, and no expert bank is stacked for it."""
+    if form == "onednn":
+        if not onednn.available():
+            pytest.skip("no oneDNN bf16 on this CPU / PyTorch build")
+        monkeypatch.setattr(bf16, "plain_kernel", lambda: None)
+    elif bf16.plain_kernel() is None:
+        pytest.skip("no bf16 dot-product kernel on this CPU")
     plain = hybrid.load_model(source, dtype="bf16", prepack=False)
 
-    def refuse(self):
-        raise AssertionError("the identity densified a prepacked weight")
+    def refuse(self, name):
+        raise AssertionError("the identity stacked a prepacked expert bank")
 
-    monkeypatch.setattr(Prepacked, "dense_tensors", refuse)
+    monkeypatch.setattr(PrepackedExpertBank, "dense_tensor", refuse)
     packed = hybrid.load_model(source, dtype="bf16")
-    assert any(isinstance(m, Prepacked) for m in packed.modules())
+    assert any(isinstance(m, PrepackedExpertBank) for m in packed.modules())
     assert packed.identity == plain.identity

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybrid.generate import generate_ids
-from hybrid.prefix_cache import PrefixCache
+from hybrid.prefix_cache import PrefixCache, PrefixCacheFileError
 from helpers import InterfaceOnly
 from hybrid.cache import HybridCache
 from tiny_checkpoint import random_model
@@ -137,3 +137,130 @@ def test_the_prefix_cache_uses_only_the_cache_interface(model, monkeypatch):
     monkeypatch.undo()
     (plain,) = generate_ids(model, [second], max_new_tokens=8)
     assert hit.token_ids == plain.token_ids
+
+
+# ---------------------------------------------------------------------------------------------- saved files
+def _saved(model, path, n_blocks=2):
+    cache = PrefixCache(model, block_size=BLOCK)
+    cache.prefill(ids(n_blocks * BLOCK + 3, 21))
+    cache.save(path)
+    return path
+
+
+def _damaged(path, kind):
+    data = path.read_bytes()
+    if kind == "cut-short":  # an interrupted copy: the header is whole, the tensor data is not
+        return data[: len(data) - 100]
+    if kind == "not-safetensors":
+        return b"GGUF" + bytes(200)
+    if kind == "empty":
+        return b""
+    if kind == "header-only":
+        return data[:8]
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["cut-short", "not-safetensors", "empty", "header-only"])
+def test_an_unreadable_file_is_refused_with_a_clear_error_and_adds_nothing(model, tmp_path, kind):
+    store = _saved(model, tmp_path / "prefix.safetensors")
+    store.write_bytes(_damaged(store, kind))
+    fresh = PrefixCache(model, block_size=BLOCK)
+    with pytest.raises(PrefixCacheFileError, match=str(store)):
+        fresh.load(store)
+    assert len(fresh) == 0
+
+
+def test_a_tensor_of_another_shape_or_a_bad_node_list_is_refused(model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
+
+    store = _saved(model, tmp_path / "prefix.safetensors")
+    with safe_open(str(store), "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(store)
+    for name, meta_change, match in [("1.mamba.0.ssm", {}, r"1\.mamba\.0\.ssm is"),
+                                     (None, {"nodes": "[{"}, "not JSON"),
+                                     (None, {"nodes": '[{"digest": 3}]'}, "not a list of")]:
+        bad = dict(tensors)
+        if name is not None:
+            bad[name] = bad[name][..., :-1].contiguous()
+        save_file(bad, tmp_path / "bad.safetensors", metadata={**meta, **meta_change})
+        fresh = PrefixCache(model, block_size=BLOCK)
+        with pytest.raises(PrefixCacheFileError, match=match):
+            fresh.load(tmp_path / "bad.safetensors")
+        assert len(fresh) == 0  # nothing half-loads: the first node was fine
+
+
+def test_a_damaged_file_never_raises_anything_else(model, tmp_path):
+    """Property: any byte string (a saved file with bytes changed, cut or extended) either loads or raises
+    PrefixCacheFileError."""
+    from hypothesis import given, strategies as st
+
+    good = _saved(model, tmp_path / "good.safetensors", n_blocks=1).read_bytes()
+    target = tmp_path / "damaged.safetensors"
+
+    @given(st.lists(st.tuples(st.integers(0, len(good) - 1), st.integers(0, 255)), max_size=4),
+           st.integers(0, len(good)), st.binary(max_size=16))
+    def check(edits, cut, tail):
+        data = bytearray(good)
+        for at, value in edits:
+            data[at] = value
+        target.write_bytes(bytes(data[:cut]) + tail)
+        try:
+            PrefixCache(model, block_size=BLOCK).load(target)
+        except PrefixCacheFileError:
+            pass
+
+    check()
+
+
+def test_a_failed_save_leaves_the_previous_file(model, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    store = _saved(model, tmp_path / "prefix.safetensors")
+    before = store.read_bytes()
+
+    def interrupted(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _saved(model, store, n_blocks=3)
+    assert store.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["prefix.safetensors"]
+
+
+def test_one_changed_weight_element_in_an_expert_bank_makes_the_old_file_stale(tmp_path):
+    """The file of a model whose expert bank then changes by one element in the middle of one expert (far
+    from any sampled window a partial digest would read) is refused; the model's own file still loads."""
+    import hybrid
+
+    source = tmp_path / "model"
+    hybrid.save_checkpoint(random_model("M*E", seed=5, hidden_size=64, moe_intermediate_size=512,
+                                        n_routed_experts=4), source)
+    model = hybrid.load_model(source)
+    store = _saved(model, tmp_path / "prefix.safetensors")
+    with torch.no_grad():  # expert 2's up_proj [512, 64] fp32 is 128 KiB: element (100, 10) at byte 25,640
+        model.backbone.layers[2].mixer.experts.up_proj[2, 100, 10] += 2 ** -20
+    hybrid.save_checkpoint(model, tmp_path / "changed")
+    with pytest.raises(PrefixCacheFileError, match="another model"):
+        PrefixCache(hybrid.load_model(tmp_path / "changed"), block_size=BLOCK).load(store)
+    assert PrefixCache(hybrid.load_model(source), block_size=BLOCK).load(store) == 2
+
+
+def test_the_cli_notes_an_unreadable_file_and_leaves_it_unchanged(tmp_path):
+    import subprocess
+    import sys
+
+    from tiny_checkpoint import write_checkpoint
+
+    ckpt = write_checkpoint(tmp_path / "ck", pattern="ME*-M", seed=5)
+    store = tmp_path / "prefix.safetensors"
+    store.write_bytes(b"\x00\x01 not a safetensors file")
+    r = subprocess.run([sys.executable, "-m", "hybrid.cli", "generate", str(ckpt), "--prompt", "The grass is green.",
+                        "--max-new-tokens", "2", "--prefix-cache", str(store)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "note: not using the prefix cache (left unchanged)" in r.stderr and "Traceback" not in r.stderr
+    assert store.read_bytes() == b"\x00\x01 not a safetensors file"

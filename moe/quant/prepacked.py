@@ -41,6 +41,14 @@ class Prepacked(nn.Module):
         """The plain module with these weights (dense copies)."""
         raise NotImplementedError
 
+    def dense_pieces(self) -> Iterator[tuple[str, tuple[int, ...], Iterator[torch.Tensor]]]:
+        """(name, shape, pieces) of each dense tensor, in `dense_shapes` order: `pieces` yields it in row-major
+        slices when iterated (here the whole tensor, read back by `dense_tensor`; an expert bank overrides
+        this to give one expert at a time). For readers of every byte (the identity's digest); the pieces
+        may be the stored tensors themselves: never write into them."""
+        for name, shape in self.dense_shapes().items():
+            yield name, shape, (self.dense_tensor(n) for n in (name,))
+
     def dense_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, dense copy) of each packed tensor, one at a time, in `dense_shapes` order."""
         for name in self.dense_shapes():

@@ -51,6 +51,12 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     return packed.to_dense() if packed.is_mkldnn else packed.clone()
 
 
+def dense(packed: torch.Tensor) -> torch.Tensor:
+    """The dense [out, in] bf16 weight of a stored form, for reading only: the stored tensor itself when
+    plain (never write into it), a copy from oneDNN's layout."""
+    return packed.to_dense() if packed.is_mkldnn else packed
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None, relu: bool = False) -> torch.Tensor:
     """`x @ W.T + bias`, then ReLU when `relu`: x [..., in] bf16, packed from `pack(W)` -> [..., out] bf16."""
     if packed.is_mkldnn:
