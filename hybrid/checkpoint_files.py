@@ -14,8 +14,10 @@ so each is copied exactly once, into its final place, by the caller.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import re
+import reprlib
 import struct
 import warnings
 from pathlib import Path
@@ -32,6 +34,11 @@ _ST_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+
+
+_REPR = reprlib.Repr()  # messages show untrusted values shortened, whatever their nesting
+_REPR.maxstring = _REPR.maxother = 100
+_shown = _REPR.repr
 
 
 class CheckpointError(ValueError):
@@ -61,8 +68,59 @@ def resolve_checkpoint(path_or_repo: str | Path, revision: str | None = None) ->
         raise CheckpointError(f"{name}: not a local directory, and downloading it from the hub failed: {e}") from e
 
 
+def _parse_json(data: bytes, what: str) -> object:
+    """JSON from untrusted bytes.
+
+    Raises:
+        CheckpointError: "{what} ({why})" for bytes that are not UTF-8 JSON, nest too deeply, or hold an
+            integer too long to convert.
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CheckpointError(f"{what} (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        raise CheckpointError(f"{what} ({e})") from None
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _entry_problem(entry: object, data_size: int) -> str | None:
+    """What is wrong with one tensor's header entry (for `data_size` bytes after the header), or None."""
+    if not isinstance(entry, dict):
+        return f"is {_shown(entry)}; expected an object with dtype, shape and data_offsets"
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in entry]
+    if missing:
+        return f"has no {' or '.join(missing)}"
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        return f"has dtype {_shown(dtype)}; expected one of {sorted(_ST_DTYPES)}"
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        return f"has shape {_shown(shape)}; expected a list of integers >= 0"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+            and 0 <= offsets[0] <= offsets[1] <= data_size):
+        return f"has data_offsets {_shown(offsets)}; expected [begin, end] with 0 <= begin <= end <= {data_size}"
+    itemsize = _ST_DTYPES[dtype].itemsize
+    if math.prod(d or 1 for d in shape) * itemsize >= 2**63:  # torch's strides and sizes are int64, even when empty
+        return f"has shape {shape}, too large for torch"
+    nbytes = math.prod(shape) * itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        return (f"has data_offsets {offsets} ({offsets[1] - offsets[0]} bytes), but shape {shape} of {dtype} "
+                f"needs {nbytes} bytes")
+    return None
+
+
 class SafetensorsFile:
-    """One .safetensors file: its header, and zero-copy tensor views of a read-only memory map."""
+    """One .safetensors file: its header, and zero-copy tensor views of a read-only memory map.
+
+    Raises:
+        CheckpointError: the file cannot be opened or is not a safetensors file: a header length beyond the
+            file, a header that is not a JSON object, `__metadata__` that is not an object of strings, or a
+            tensor entry without a known dtype, a shape of integers >= 0 and `data_offsets` inside the data
+            that match its shape and overlap no other tensor's. The message names the file and the tensor.
+    """
 
     def __init__(self, path: Path):
         self.path = path
@@ -77,23 +135,25 @@ class SafetensorsFile:
         (n,) = struct.unpack("<Q", self._map[:8])
         if 8 + n > size:
             raise CheckpointError(f"{path}: not a safetensors file (header length {n} exceeds the file size {size})")
-        try:
-            header = json.loads(bytes(self._map[8 : 8 + n]))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
-        self.metadata = header.pop("__metadata__", None) or {}
+        header = _parse_json(bytes(self._map[8 : 8 + n]), f"{path}: unreadable safetensors header")
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: safetensors header is not a JSON object (got {type(header).__name__})")
+        metadata = header.pop("__metadata__", None)
+        metadata = {} if metadata is None else metadata
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise CheckpointError(f"{path}: __metadata__ must be an object of strings, got {_shown(metadata)}")
+        self.metadata = metadata
         self._data_start = 8 + n
         self.entries: dict[str, dict] = header
         for name, entry in header.items():
-            dtype = _ST_DTYPES.get(entry.get("dtype"))
-            if dtype is None:
-                raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
-            begin, end = entry["data_offsets"]
-            numel = 1
-            for d in entry["shape"]:
-                numel *= d
-            if end - begin != numel * torch.empty((), dtype=dtype).element_size() or self._data_start + end > size:
-                raise CheckpointError(f"{path}: tensor {name!r} has a data range that does not match its shape")
+            why = _entry_problem(entry, size - self._data_start)
+            if why:
+                raise CheckpointError(f"{path}: tensor {_shown(name)} {why}")
+        spans = sorted((e["data_offsets"], name) for name, e in header.items()
+                       if e["data_offsets"][0] < e["data_offsets"][1])
+        for (a, name_a), (b, name_b) in zip(spans, spans[1:]):
+            if b[0] < a[1]:
+                raise CheckpointError(f"{path}: tensors {name_a!r} and {name_b!r} overlap (data_offsets {a} and {b})")
 
     def keys(self) -> list[str]:
         return list(self.entries)
@@ -129,32 +189,58 @@ class SafetensorsFile:
             self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
+def _read_index(path: Path) -> dict[str, str]:
+    """The `weight_map` of a model.safetensors.index.json: {tensor name: shard file name}.
+
+    Raises:
+        CheckpointError: the file is unreadable or not JSON, not an object, has no `weight_map`, the map is not
+            an object of strings, or a shard is not a plain file name (a path separator, `..` or an absolute
+            path could reach outside the checkpoint directory). The message names the file and the tensor.
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from None
+    index = _parse_json(data, f"{path}: unreadable index")
+    if not isinstance(index, dict):
+        raise CheckpointError(f"{path}: expected a JSON object with a `weight_map`, got {type(index).__name__}")
+    if "weight_map" not in index:
+        raise CheckpointError(f"{path}: has no `weight_map` (tensor name -> shard file name)")
+    weight_map = index["weight_map"]
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{path}: `weight_map` must be an object of tensor name -> shard file name, "
+                              f"got {_shown(weight_map)}")
+    for name, shard in weight_map.items():
+        if shard in ("", ".", "..") or "/" in shard or "\\" in shard or "\0" in shard:
+            raise CheckpointError(f"{path}: shard {shard!r} of tensor {name!r} is not a file name in the "
+                                  "checkpoint directory")
+    return weight_map
+
+
 class CheckpointFiles:
     """Every tensor of a checkpoint directory, by name, across its shards.
 
     Raises:
-        CheckpointError: no safetensors weights (pickled files are refused), an unreadable index, a shard
-            the index names that is missing, or a tensor the index places in a shard that lacks it.
+        CheckpointError: no safetensors weights (pickled files are refused), an unreadable index (see
+            `_read_index`), a shard the index names that is missing, a tensor the index places in a shard
+            that lacks it, or a shard that `SafetensorsFile` refuses.
     """
 
     def __init__(self, directory: Path):
         self.directory = directory
         index_path = directory / INDEX_NAME
         if index_path.exists():
-            try:
-                weight_map = json.loads(index_path.read_text())["weight_map"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: unreadable index ({type(e).__name__}: {e})") from None
+            weight_map = _read_index(index_path)
             shard_names = sorted(set(weight_map.values()))
             missing = [s for s in shard_names if not (directory / s).is_file()]
             if missing:
-                raise CheckpointError(f"{index_path} lists shard(s) missing from {directory}: {', '.join(missing)}")
+                raise CheckpointError(f"{index_path}: lists shard(s) missing from {directory}: {', '.join(missing)}")
             self.files = {s: SafetensorsFile(directory / s) for s in shard_names}
             self.where: dict[str, SafetensorsFile] = {}
             for name, shard in weight_map.items():
                 f = self.files[shard]
                 if name not in f.entries:
-                    raise CheckpointError(f"{index_path} places tensor {name!r} in {shard}, which does not contain it")
+                    raise CheckpointError(f"{index_path}: places tensor {name!r} in {shard}, which does not contain it")
                 self.where[name] = f
             for shard, f in self.files.items():
                 stray = [k for k in f.keys() if k not in weight_map]

@@ -7,18 +7,28 @@ Numbers that tests record in `helpers.REPORT` are printed at the end of the run.
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import helpers  # noqa: E402
 
 torch.set_num_threads(2)
+
+# Property tests (hypothesis): "ci", the default, is deterministic (derandomize: the same examples every run) and
+# small enough that all property tests together add well under a minute on 2 cores; no example database is
+# written and no timing health check can fail a run. HYPOTHESIS_PROFILE=dev draws ten times more, random, examples.
+settings.register_profile("ci", derandomize=True, max_examples=100, deadline=None, print_blob=True, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=1000, deadline=None, print_blob=True, database=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 # name -> (pattern, overrides). Shared by several test files; each is built at most once per session.

@@ -89,17 +89,6 @@ def test_validation_names_the_field(change, field):
         HybridConfig.from_dict(raw)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("hidden_size", "32", "`hidden_size` must be an integer, got '32'"),
-    ("tie_word_embeddings", "yes", "`tie_word_embeddings` must be true or false"),
-    ("routed_scaling_factor", None, "`routed_scaling_factor` must be a number"),
-    ("time_step_limit", [0.1], "`time_step_limit` must be \\[low, high\\]"),
-])
-def test_wrong_types_are_named(field, value, message):
-    with pytest.raises(ConfigError, match=message):
-        HybridConfig.from_dict({"hybrid_override_pattern": "M*E-", **SIZES, field: value})
-
-
 @pytest.mark.parametrize("pattern, drop", [("M", "ssm_state_size"), ("*", "head_dim"), ("E", "moe_intermediate_size"),
                                            ("-", "intermediate_size"), ("-", "hidden_size")])
 def test_shape_fields_are_required(pattern, drop):
@@ -145,3 +134,145 @@ def test_nano_bytes_read_per_token_by_hand():
     fp32 = 23 * (128 * 2688 + 128) + 23 * 3 * 64
     expected = 2 * (r["active_parameters_per_token"] - fp32) + 4 * fp32 + 2 * 2688
     assert r["active_weight_bytes_per_token"] == expected == 6_471_356_672
+
+
+# ------------------------------------------------------------------------------------ untrusted values (issue 15)
+def _write_config(tmp_path, **change) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hybrid_override_pattern": "M*E-", **SIZES, **change}))
+    return path
+
+
+SIZE = "a positive integer below 2^31"
+TOKEN_IDS = "a token id (an integer in [0, 2^31)), a list of them, or null"
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("eos_token_id", "2", TOKEN_IDS),
+    ("eos_token_id", [2, "3"], TOKEN_IDS),
+    ("eos_token_id", [[2]], TOKEN_IDS),
+    ("eos_token_id", -1, TOKEN_IDS),
+    ("eos_token_id", True, TOKEN_IDS),
+    ("bos_token_id", [1], "a token id (an integer in [0, 2^31)) or null"),
+    ("pad_token_id", "0", "a token id (an integer in [0, 2^31)) or null"),
+    ("pad_token_id", 1.0, "a token id (an integer in [0, 2^31)) or null"),
+    ("num_hidden_layers", "4", SIZE),
+    ("num_hidden_layers", True, SIZE),
+    ("num_hidden_layers", 4.0, SIZE),
+    ("hidden_size", 16.0, SIZE),
+    ("hidden_size", True, SIZE),
+    ("hidden_size", [16], SIZE),
+    ("hidden_size", -16, SIZE),
+    ("hidden_size", 2**40, SIZE),
+    ("conv_kernel", 0, SIZE),
+    ("expand", 0, SIZE),
+    ("max_position_embeddings", "4096", SIZE),
+    ("n_shared_experts", -1, "an integer in [0, 2^31)"),
+    ("num_nextn_predict_layers", "1", "0 or 1 (one MTP module at most is supported)"),
+    ("num_nextn_predict_layers", 2, "0 or 1 (one MTP module at most is supported)"),
+    ("moe_latent_size", True, "a positive integer below 2^31, or 0 or null for none"),
+    ("moe_latent_size", -4, "a positive integer below 2^31, or 0 or null for none"),
+    ("layer_norm_epsilon", -1e-5, "a finite number >= 0"),
+    ("layer_norm_epsilon", math.nan, "a finite number >= 0"),
+    ("time_step_min", "0.001", "a finite number >= 0"),
+    ("routed_scaling_factor", math.inf, "a finite number > 0"),
+    ("routed_scaling_factor", 0, "a finite number > 0"),
+    ("routed_scaling_factor", None, "a finite number > 0"),
+    ("time_step_limit", [True, 2], "[low, high] with 0 <= low <= high"),
+    ("time_step_limit", [0.0, math.nan], "[low, high] with 0 <= low <= high"),
+    ("time_step_limit", "ab", "[low, high] with 0 <= low <= high"),
+    ("time_step_limit", [0.1], "[low, high] with 0 <= low <= high"),
+    ("torch_dtype", 5, "one of 'float32', 'bfloat16', 'float16'"),
+    ("torch_dtype", "int8", "one of 'float32', 'bfloat16', 'float16'"),
+    ("mamba_ssm_cache_dtype", [], "one of 'float32', 'bfloat16', 'float16'"),
+    ("mlp_hidden_act", 3, "'relu2' (the only activation supported)"),
+    ("mamba_hidden_act", ["silu"], "'silu' (the only activation supported)"),
+    ("tie_word_embeddings", 1, "true or false"),
+    ("tie_word_embeddings", "yes", "true or false"),
+    ("use_conv_bias", "true", "true or false"),
+    ("quantization_config", "fp8", "an object or null"),
+    ("quantization_config", [1], "an object or null"),
+    ("hybrid_override_pattern", 5, "a string of layer characters (M Mamba-2, * attention, E MoE, - MLP)"),
+    ("mtp_hybrid_override_pattern", 5, "a string of layer characters (M Mamba-2, * attention, E MoE, - MLP)"),
+])
+def test_every_field_is_type_checked(tmp_path, field, value, expected):
+    """A value of the wrong JSON type or range is a ConfigError naming the file, the key, the value and what
+    was expected (before: TypeError for `eos_token_id: "2"` downstream, `mtp_hybrid_override_pattern: 5`...)."""
+    path = _write_config(tmp_path, **{field: value})
+    with pytest.raises(ConfigError) as info:
+        HybridConfig.from_file(path)
+    assert str(info.value) == f"{path}: `{field}` must be {expected}, got {value!r}"
+
+
+def test_num_hidden_layers_as_a_string_blames_the_type(tmp_path):
+    path = _write_config(tmp_path, num_hidden_layers="4")
+    with pytest.raises(ConfigError) as info:
+        HybridConfig.from_file(path)
+    assert str(info.value) == f"{path}: `num_hidden_layers` must be {SIZE}, got '4'"
+    assert HybridConfig.from_file(_write_config(tmp_path, num_hidden_layers=4)).num_hidden_layers == 4
+
+
+def test_valid_values_of_every_kind_are_kept(tmp_path):
+    c = HybridConfig.from_file(_write_config(
+        tmp_path, eos_token_id=[2, 11], bos_token_id=None, pad_token_id=0, moe_latent_size=0,
+        time_step_limit=[0, {"__float__": "Infinity"}], layer_norm_epsilon=0, routed_scaling_factor=2,
+        n_shared_experts=0, quantization_config=None, torch_dtype="float16"))
+    assert (c.eos_token_ids, c.bos_token_id, c.pad_token_id, c.moe_latent_size) == ([2, 11], None, 0, None)
+    assert (c.time_step_limit, c.layer_norm_epsilon, c.routed_scaling_factor) == ((0.0, math.inf), 0, 2)
+    assert (c.n_shared_experts, c.torch_dtype) == (0, "float16")
+
+
+def test_validate_checks_the_types_of_a_config_built_in_python():
+    with pytest.raises(ConfigError, match=r"^`hidden_size` must be a positive integer below 2\^31, got '16'$"):
+        HybridConfig(hybrid_override_pattern="M*E-", **{**SIZES, "hidden_size": "16"}).validate()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"time_step_limit": [0, {"__float__": "nope"}]},
+     "`time_step_limit[1]` is {'__float__': 'nope'}; expected a float spelled as a string, e.g. "
+     "{\"__float__\": \"Infinity\"}"),
+    ({"time_step_limit": [0, {"__float__": [1]}]},
+     "`time_step_limit[1]` is {'__float__': [1]}; expected a float spelled as a string, e.g. "
+     "{\"__float__\": \"Infinity\"}"),
+    ({"__float__": "1"}, None),  # a top-level key, not an encoded float: kept as an unknown key
+])
+def test_encoded_floats_are_checked(tmp_path, change, message):
+    path = _write_config(tmp_path, **change)
+    if message is None:
+        assert HybridConfig.from_file(path).extra == {"__float__": "1"}
+        return
+    with pytest.raises(ConfigError) as info:
+        HybridConfig.from_file(path)
+    assert str(info.value) == f"{path}: {message}"
+
+
+def test_block_types_that_are_not_names():
+    with pytest.raises(ConfigError) as info:
+        HybridConfig.from_dict({"layers_block_type": ["mamba", ["moe"]], **SIZES})
+    assert str(info.value) == ("`layers_block_type[1]` is ['moe']; expected one of ['attention', 'full_attention', "
+                               "'linear_attention', 'mamba', 'mlp', 'moe']")
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON (nested too deeply)"),
+    ('{"hybrid_override_pattern": "M", "x": ' + "[" * 900 + "]" * 900 + "}",
+     "config nests lists or objects too deeply"),
+    ('{"hybrid_override_pattern": "M", "eos_token_id": ' + "[" * 50 + "]" * 50 + "}",
+     f"`eos_token_id` must be {TOKEN_IDS}, got [[[[[[[...]]]]]]]"),
+    ('{"vocab_size": ' + "1" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
+    (b"\xff\xfe{}", "not valid JSON ("),
+    ("[1, 2]", "config must be a JSON object, got list"),
+])
+def test_unreadable_config_files(tmp_path, content, message):
+    path = tmp_path / "config.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as info:
+        HybridConfig.from_file(path)
+    assert str(info.value).startswith(f"{path}: {message}")
+
+
+def test_config_path_that_is_a_directory(tmp_path):
+    (tmp_path / "config.json").mkdir()
+    with pytest.raises(ConfigError) as info:
+        HybridConfig.from_file(tmp_path / "config.json")
+    assert str(info.value).startswith(f"{tmp_path / 'config.json'}: cannot read (")

@@ -194,3 +194,209 @@ def test_hub_failure_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(CheckpointError, match="nvidia/X: not a local directory, and downloading it from the hub failed"):
         hybrid.load_model("nvidia/X")
+
+
+# ------------------------------------------------------------------------------------ untrusted bytes (issue 15)
+def _edit_config(directory, **change):
+    raw = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**raw, **change}))
+
+
+def test_config_value_of_the_wrong_type_names_file_key_and_value(single, tmp_path):
+    d = _copy(single, tmp_path)
+    _edit_config(d, eos_token_id="2")  # before: a TypeError in the tokenizer (sorted ids of int and str)
+    with pytest.raises(ConfigError) as info:
+        hybrid.load(d, progress=False)
+    assert str(info.value) == (f"{d / 'config.json'}: `eos_token_id` must be a token id (an integer in [0, 2^31)), "
+                               "a list of them, or null, got '2'")
+
+
+def test_config_sizes_too_large_for_torch(single, tmp_path):
+    d = _copy(single, tmp_path)
+    _edit_config(d, n_routed_experts=2**30, moe_intermediate_size=2**30, hidden_size=2**30)
+    with pytest.raises(ConfigError, match=r"sizes describe a tensor too large for torch \(.*overflowed"):
+        hybrid.load_model(d, progress=False)  # before: RuntimeError from torch
+
+
+def _safetensors(path, header, data: bytes = b"\0" * 8):
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize("header, data, message", [
+    ({"w": {"dtype": "F32", "shape": [2]}}, b"\0" * 8, "tensor 'w' has no data_offsets"),
+    ({"w": 5}, b"\0" * 8, "tensor 'w' is 5; expected an object with dtype, shape and data_offsets"),
+    ({"w": {**F32x2, "dtype": "F7"}}, b"\0" * 8, "tensor 'w' has dtype 'F7'; expected one of ['BF16', 'BOOL',"),
+    ({"w": {**F32x2, "dtype": ["F32"]}}, b"\0" * 8, "tensor 'w' has dtype ['F32']; expected one of ['BF16',"),
+    ({"w": {**F32x2, "shape": [-2]}}, b"\0" * 8, "tensor 'w' has shape [-2]; expected a list of integers >= 0"),
+    ({"w": {**F32x2, "shape": "2"}}, b"\0" * 8, "tensor 'w' has shape '2'; expected a list of integers >= 0"),
+    ({"w": {**F32x2, "shape": [2.0]}}, b"\0" * 8, "tensor 'w' has shape [2.0]; expected a list of integers >= 0"),
+    ({"w": {**F32x2, "shape": [True, 2]}}, b"\0" * 8, "tensor 'w' has shape [True, 2]; expected a list of integers"),
+    ({"w": {**F32x2, "shape": [0, 2**62, 2**62], "data_offsets": [0, 0]}}, b"\0" * 8,
+     "tensor 'w' has shape [0, 4611686018427387904, 4611686018427387904], too large for torch"),
+    ({"w": {**F32x2, "data_offsets": [0, 800]}}, b"\0" * 8,
+     "tensor 'w' has data_offsets [0, 800]; expected [begin, end] with 0 <= begin <= end <= 8"),
+    ({"w": {**F32x2, "data_offsets": [8, 0]}}, b"\0" * 8,
+     "tensor 'w' has data_offsets [8, 0]; expected [begin, end] with 0 <= begin <= end <= 8"),
+    ({"w": {**F32x2, "data_offsets": ["0", 8]}}, b"\0" * 8,
+     "tensor 'w' has data_offsets ['0', 8]; expected [begin, end] with 0 <= begin <= end <= 8"),
+    ({"w": {**F32x2, "data_offsets": [0, 8, 8]}}, b"\0" * 8,
+     "tensor 'w' has data_offsets [0, 8, 8]; expected [begin, end] with 0 <= begin <= end <= 8"),
+    ({"w": {**F32x2, "data_offsets": [0, 4]}}, b"\0" * 8,
+     "tensor 'w' has data_offsets [0, 4] (4 bytes), but shape [2] of F32 needs 8 bytes"),
+    ({"a": F32x2, "b": {**F32x2, "data_offsets": [4, 12]}}, b"\0" * 12,
+     "tensors 'a' and 'b' overlap (data_offsets [0, 8] and [4, 12])"),
+    ([1, 2], b"", "safetensors header is not a JSON object (got list)"),
+    ({"__metadata__": [1], "w": F32x2}, b"\0" * 8, "__metadata__ must be an object of strings, got [1]"),
+    (b"{nope", b"", "unreadable safetensors header ("),
+    (b"[" * 100_000, b"", "unreadable safetensors header (nested too deeply)"),
+    (b"{\"w\": " + b"1" * 5000 + b"}", b"", "unreadable safetensors header (Exceeds the limit"),
+])
+def test_crafted_safetensors_header(tmp_path, header, data, message):
+    from hybrid.checkpoint_files import SafetensorsFile
+
+    path = _safetensors(tmp_path / "model.safetensors", header, data)
+    with pytest.raises(CheckpointError) as info:
+        SafetensorsFile(path)
+    assert str(info.value).startswith(f"{path}: {message}")
+
+
+def test_header_length_larger_than_the_file(tmp_path):
+    from hybrid.checkpoint_files import SafetensorsFile
+
+    path = tmp_path / "model.safetensors"
+    path.write_bytes((10**6).to_bytes(8, "little") + b"{}")
+    with pytest.raises(CheckpointError) as info:
+        SafetensorsFile(path)
+    assert str(info.value) == f"{path}: not a safetensors file (header length 1000000 exceeds the file size 10)"
+
+
+def test_valid_crafted_file_loads_every_tensor(tmp_path):
+    from hybrid.checkpoint_files import SafetensorsFile
+
+    data = torch.tensor([1.5, -2.0]).numpy().tobytes() + b"\x07"
+    f = SafetensorsFile(_safetensors(tmp_path / "x.safetensors", {
+        "__metadata__": {"format": "pt"}, "w": F32x2, "e": {"dtype": "BF16", "shape": [0, 3], "data_offsets": [8, 8]},
+        "b": {"dtype": "U8", "shape": [], "data_offsets": [8, 9]}}, data))
+    assert f.metadata == {"format": "pt"} and f.keys() == ["w", "e", "b"]
+    assert f.view("w").tolist() == [1.5, -2.0] and f.view("e").shape == (0, 3) and f.view("b").item() == 7
+
+
+@pytest.mark.parametrize("index, message", [
+    ("[1, 2", "unreadable index ("),
+    ("[1, 2]", "expected a JSON object with a `weight_map`, got list"),
+    ("{}", "has no `weight_map`"),
+    ('{"weight_map": [1]}', "`weight_map` must be an object of tensor name -> shard file name, got [1]"),
+    ('{"weight_map": {"w": 1}}', "`weight_map` must be an object of tensor name -> shard file name, got {'w': 1}"),
+    ('{"weight_map": {"w": "../outside.safetensors"}}',
+     "shard '../outside.safetensors' of tensor 'w' is not a file name in the checkpoint directory"),
+    ('{"weight_map": {"w": "sub/model.safetensors"}}',
+     "shard 'sub/model.safetensors' of tensor 'w' is not a file name in the checkpoint directory"),
+    ('{"weight_map": {"w": "/etc/passwd"}}', "shard '/etc/passwd' of tensor 'w' is not a file name in the checkpoint"),
+    ('{"weight_map": {"w": ".."}}', "shard '..' of tensor 'w' is not a file name in the checkpoint directory"),
+    ('{"weight_map": {"w": "a\\\\b"}}', "shard 'a\\\\b' of tensor 'w' is not a file name in the checkpoint directory"),
+    ('{"weight_map": {"w": "nope.safetensors"}}', "lists shard(s) missing from"),
+])
+def test_crafted_index(tmp_path, index, message):
+    from hybrid.checkpoint_files import CheckpointFiles
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    _safetensors(tmp_path / "outside.safetensors", {"w": F32x2})  # what `..` would reach
+    (d / "sub").mkdir()
+    _safetensors(d / "sub" / "model.safetensors", {"w": F32x2})
+    (d / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError) as info:
+        CheckpointFiles(d)
+    assert str(info.value).startswith(f"{d / 'model.safetensors.index.json'}: {message}")
+
+
+ID = "a token id (an integer >= 0)"
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("generation_config.json", '{"eos_token_id": "x"}',
+     f"`eos_token_id` must be {ID}, a list of them, or null, got 'x'"),
+    ("generation_config.json", '{"eos_token_id": [{"a": 1}]}',
+     f"`eos_token_id` must be {ID}, a list of them, or null, got [{{'a': 1}}]"),
+    ("generation_config.json", '{"eos_token_id": 1.5}',
+     f"`eos_token_id` must be {ID}, a list of them, or null, got 1.5"),
+    ("generation_config.json", '{"pad_token_id": "0"}', f"`pad_token_id` must be {ID} or null, got '0'"),
+    ("generation_config.json", "[" * 5000, "not valid JSON (nested too deeply)"),
+    ("generation_config.json", '{"x": ' + "1" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
+    ("tokenizer_config.json", b'{"x": "\xff"}', "not valid JSON ("),
+    ("chat_template.jinja", b"{{ '\xff' }}", "not valid UTF-8 ("),
+])
+def test_tokenizer_files_with_bad_values(single, tmp_path, name, content, message):
+    """Before: ValueError / TypeError from int(), RecursionError, UnicodeDecodeError, not CheckpointError."""
+    d = _copy(single, tmp_path)
+    (d / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(CheckpointError) as info:
+        hybrid.load(d, progress=False)
+    assert str(info.value).startswith(f"{d / name}: {message}")
+
+
+@pytest.mark.parametrize("tokenizer_config", [
+    {"chat_template": [1, {"name": ["default"]}, {"name": "default", "template": 5}]},  # before: AttributeError
+    {"eos_token": {"content": 5}, "pad_token": ["<pad>"]},  # before: TypeError from token_to_id(5)
+])
+def test_malformed_optional_tokenizer_entries_are_ignored(single, tmp_path, tokenizer_config):
+    d = _copy(single, tmp_path)
+    (d / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    _, tok = hybrid.load(d, progress=False)
+    assert tok.chat_template is None and tok.stop_ids == [2, 4]  # eos 4 from special_tokens_map.json
+
+
+@pytest.mark.parametrize("nodes, message", [
+    ("[" * 5000, "its node list (metadata 'nodes') is not JSON"),
+    ("[" + "1" * 5000 + "]", "its node list (metadata 'nodes') is not JSON"),
+])
+def test_prefix_cache_file_with_a_crafted_node_list(single, tmp_path, nodes, message):
+    """Before: RecursionError / ValueError (integer of more than 4300 digits) instead of PrefixCacheFileError."""
+    from hybrid.prefix_cache import PrefixCache, PrefixCacheFileError
+
+    cache = PrefixCache(hybrid.load_model(single, progress=False), block_size=4)
+    path = tmp_path / "cache.safetensors"
+    save_file({"x": torch.zeros(1)}, path, metadata={"identity": cache.identity, "block_size": "4", "nodes": nodes})
+    with pytest.raises(PrefixCacheFileError) as info:
+        cache.load(path)
+    assert str(info.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[" * 5000, "not valid JSON (nested too deeply)"),
+    ('{"x": ' + "1" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
+])
+def test_crafted_hf_quant_config(single, tmp_path, content, message):
+    """Before: RecursionError / ValueError from json.loads instead of CheckpointError."""
+    d = _copy(single, tmp_path)
+    (d / "hf_quant_config.json").write_text(content)
+    with pytest.raises(CheckpointError) as info:
+        hybrid.load_model(d, progress=False)
+    assert f"{d / 'hf_quant_config.json'}: {message}" in str(info.value)
+
+
+CT_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block", "dynamic": False}}
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"format": ["float-quantized"], "config_groups": {"group_0": CT_GROUP}},
+     "config_groups.group_0: compressed-tensors format ['float-quantized'] is not supported"),
+    ({"format": "float-quantized", "config_groups": {"group_0": {
+        **CT_GROUP, "weights": {**CT_GROUP["weights"], "block_structure": "x"}}}},
+     "config_groups.group_0: block_structure 'x' must be [n, n] with n a positive integer"),
+    ({"format": "float-quantized", "config_groups": {"group_0": {
+        **CT_GROUP, "weights": {**CT_GROUP["weights"], "block_structure": ["a", "a"]}}}},
+     "config_groups.group_0: block_structure ['a', 'a'] must be [n, n] with n a positive integer"),
+])
+def test_crafted_compressed_tensors_block(single, tmp_path, block, message):
+    """Before: TypeError (unhashable format, len() of a non-list) or ValueError (int('a'))."""
+    d = _copy(single, tmp_path)
+    _edit_config(d, quantization_config={"quant_method": "compressed-tensors", **block})
+    with pytest.raises(CheckpointError) as info:
+        hybrid.load_model(d, progress=False)
+    assert str(info.value).startswith(f"quantized checkpoint: {d / 'config.json'} (quantization_config): {message}")

@@ -139,8 +139,10 @@ class QuantConfig:
         path = directory / HF_QUANT_CONFIG
         if path.exists():
             try:
-                raw = json.loads(path.read_text())
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raw = json.loads(path.read_text(encoding="utf-8"))
+            except RecursionError:
+                raise QuantConfigError(f"{path}: not valid JSON (nested too deeply)") from None
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
                 raise QuantConfigError(f"{path}: not valid JSON ({e})") from None
             qc = cls.from_modelopt(raw, str(path))
             if block is not None:
@@ -236,7 +238,7 @@ def _ct_format(fmt_name, group: dict, where: str) -> QuantFormat:
     w = group.get("weights")
     if not isinstance(w, dict):
         raise QuantConfigError(f"{where}: no 'weights' quantization arguments")
-    if fmt_name not in COMPRESSED_TENSORS:
+    if not isinstance(fmt_name, str) or fmt_name not in COMPRESSED_TENSORS:
         raise QuantConfigError(f"{where}: compressed-tensors format {fmt_name!r} is not supported; expected one of "
                                f"{list(COMPRESSED_TENSORS)}")
     if w.get("type") != "float" or w.get("symmetric", True) is False:
@@ -256,9 +258,12 @@ def _ct_format(fmt_name, group: dict, where: str) -> QuantFormat:
         block = layout.block
         if strategy == "block":
             bs = w.get("block_structure") or [block, block]
-            if len(bs) != 2 or bs[0] != bs[1]:
+            if not (isinstance(bs, list) and len(bs) == 2 and isinstance(bs[0], int) and not isinstance(bs[0], bool)
+                    and bs[0] > 0):
+                raise QuantConfigError(f"{where}: block_structure {bs!r} must be [n, n] with n a positive integer")
+            if bs[0] != bs[1]:
                 raise QuantConfigError(f"{where}: block_structure {bs} is not square")
-            block = int(bs[0])
+            block = bs[0]
         layout = replace(layout, granularity=strategy, block=block)
     acts = group.get("input_activations")
     static_input = isinstance(acts, dict) and acts.get("dynamic", True) in CT_STATIC_INPUT[fmt_name]

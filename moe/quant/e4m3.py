@@ -46,5 +46,14 @@ def decode_e4m3(t: torch.Tensor) -> torch.Tensor:
 
 
 def encode_e4m3(x: torch.Tensor) -> torch.Tensor:
-    """Float values (any float dtype and shape) -> float8_e4m3fn: round to nearest even, saturating."""
+    """Float values (any float dtype and shape) -> float8_e4m3fn: round to nearest even, saturating.
+
+    float64 values are first rounded onto the E4M3 grid in float64: PyTorch converts to float8 through
+    float32, and rounding twice misses the nearest value (1.0625 + 2^-40 -> the tie 1.0625 -> 1.0, not 1.125).
+    """
+    if x.dtype == torch.float64:
+        # E4M3 spacing near |x|: 2^(k-3) for 2^k <= |x| < 2^(k+1), k >= -6 (the subnormals share 2^-9)
+        k = (torch.frexp(x).exponent - 1).clamp(min=-6)
+        step = torch.exp2((k - 3).double())
+        x = torch.round(x / step) * step  # ties to even; exact in float64, and the float32 cast below is exact
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)

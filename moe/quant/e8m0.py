@@ -21,7 +21,8 @@ def decode_e8m0(bits: torch.Tensor) -> torch.Tensor:
 
 
 def encode_e8m0(exponent: torch.Tensor) -> torch.Tensor:
-    """Unbiased integer exponents (any numeric dtype) -> E8M0 bytes, clamped to 2^-127..2^127; NaN -> 0xFF."""
-    e = exponent.float()
+    """Unbiased integer exponents (any numeric dtype) -> E8M0 bytes, clamped to 2^-127..2^127 (+-Inf too);
+    NaN -> 0xFF. A fractional exponent rounds down (floor)."""
+    e = exponent.double().floor()  # float64: exact for every int32 and float32 exponent, and for float64's floor
     out = (e.nan_to_num(0.0).clamp(-E8M0_BIAS, 254 - E8M0_BIAS) + E8M0_BIAS).to(torch.uint8)
     return torch.where(torch.isnan(e), torch.full_like(out, E8M0_NAN), out)
