@@ -7,7 +7,8 @@ the affected modules are swapped for packed ones first, so bytes are the packed 
 "Active" counts every weight a token's forward reads: everything except the routed experts, plus
 `num_experts_per_tok` of them per MoE layer; the embedding table is reported apart, since a token reads
 one row of it (which `active_weight_bytes_per_token`, the bytes a decode step reads in the stored
-formats, counts). The MTP block (if any) is counted apart and left out of the totals.
+formats, counts). The MTP block (if any) is counted apart and left out of the totals. `storage` names what
+the weights are stored in: the dtype, or the packed formats and the dtype of the rest ("FP8 + bfloat16 rest").
 """
 
 from __future__ import annotations
@@ -95,6 +96,8 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant: QuantConfig | None
         "embedding_parameters": embedding,
         "bytes_by_dtype": dict(sorted(nbytes.items())),
         "bytes_by_format": dict(sorted(by_format.items())),
+        "storage": " + ".join(sorted({label for label, _ in packed.values()}) + [f"{dtype_name(dtype)} rest"])
+                   if packed else dtype_name(dtype),
         "quantization": None if quant is None else {"method": quant.method, "source": quant.source,
                                                     "formats": sorted(quant.labels()), "kv_cache": quant.kv_cache},
         "weight_bytes": sum(nbytes.values()),

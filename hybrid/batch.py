@@ -19,10 +19,14 @@ class LeftPadded:
     offsets: list[int]
 
 
-def left_pad(sequences: list[list[int]], pad_id: int = 0, device: torch.device | str = "cpu") -> LeftPadded:
-    """Right-align `sequences` (B non-empty token id lists) in a [B, max length] batch, padding with `pad_id`."""
+def left_pad(sequences: list[list[int]], pad_id: int | None = 0, device: torch.device | str = "cpu") -> LeftPadded:
+    """Right-align `sequences` (B non-empty token id lists) in a [B, max length] batch, padding with `pad_id`.
+
+    Any pad id serves (None is 0): the model never looks up padded positions, so an id past the vocabulary
+    (a `<pad>` added to the tokenizer) or -1 is fine, and a real token id is masked like any other.
+    """
     B, L = len(sequences), max(len(s) for s in sequences)
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    ids = torch.full((B, L), 0 if pad_id is None else pad_id, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.bool)
     offsets = []
     for row, seq in enumerate(sequences):

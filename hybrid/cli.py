@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import warnings
 from pathlib import Path
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "hybrid-mini"
@@ -31,18 +33,26 @@ def _generate(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    prompt = sys.stdin.read().removesuffix("\n") if args.prompt == "-" else args.prompt
-    if not prompt:
-        print("error: the prompt is empty", file=sys.stderr)
+    from hybrid.sampling import SAMPLING_EPS
+
+    prompt, problem = _prompt_text(args.prompt)
+    if problem or not prompt:
+        print(f"error: {problem or 'the prompt is empty'}", file=sys.stderr)
         return 2
-    if not args.temperature and (args.top_k is not None or args.top_p is not None or args.seed is not None):
-        print("note: --top-k, --top-p and --seed only matter with --temperature > 0; decoding greedily", file=sys.stderr)
+    greedy = args.temperature < SAMPLING_EPS
+    if greedy and (args.top_k is not None or args.top_p is not None or args.seed is not None):
+        print(f"note: --top-k, --top-p and --seed only matter with --temperature > 0 (at least {SAMPLING_EPS:g}); "
+              "decoding greedily", file=sys.stderr)
     if args.enable_thinking is not None and not args.chat:
         print("note: --enable-thinking only matters with --chat", file=sys.stderr)
     if args.speculative and args.prefix_cache:
         print("error: --speculative and --prefix-cache cannot be combined", file=sys.stderr)
         return 2
-    model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant)
+    with warnings.catch_warnings(record=True) as notes:  # load-time notes (e.g. tokens past the vocabulary)
+        warnings.simplefilter("always")
+        model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant)
+    for n in notes:
+        print(f"note: {n.message}", file=sys.stderr)
     if args.speculative and model.mtp is None:
         print(f"error: --speculative needs an MTP block, and {args.model} has none (num_nextn_predict_layers: 0)",
               file=sys.stderr)
@@ -96,6 +106,24 @@ def _generate(args) -> int:
     return 0
 
 
+def _prompt_text(prompt: str) -> tuple[str, str | None]:
+    """The --prompt text (stdin for '-', one final newline dropped), and what is wrong with it, if anything:
+    text that is not UTF-8 (stdin bytes, or argv bytes Python kept as surrogates)."""
+    if prompt == "-":
+        data = sys.stdin.buffer.read()
+        try:
+            return data.decode("utf-8").removesuffix("\n"), None
+        except UnicodeDecodeError as e:
+            return "", f"stdin is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} ({e.reason})"
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(prompt[e.start]) - 0xDC00 if 0xDC80 <= ord(prompt[e.start]) <= 0xDCFF else None
+        what = f"byte 0x{byte:02x}" if byte is not None else f"character {prompt[e.start]!r}"
+        return "", f"--prompt is not valid UTF-8: {what} at character {e.start}"
+    return prompt, None
+
+
 def _info(args) -> int:
     from hybrid.accounting import describe
     from hybrid.config import HybridConfig
@@ -132,7 +160,7 @@ def _info(args) -> int:
     print(f"parameters     {report['parameters']:,} in all (embedding {report['embedding_parameters']:,}); "
           f"{report['active_parameters_per_token']:,} active per token besides the embedding")
     print("weight bytes   " + ", ".join(f"{k}: {v:,}" for k, v in report["bytes_by_dtype"].items())
-          + f"  (total {report['weight_bytes'] / 2**30:.2f} GiB, {report['dtype']})")
+          + f"  (total {report['weight_bytes'] / 2**30:.2f} GiB, {report['storage']})")
     if report["quantization"]:
         q = report["quantization"]
         print("by format      " + ", ".join(f"{k}: {v:,}" for k, v in report["bytes_by_format"].items())
@@ -158,13 +186,18 @@ def _quantize(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     src, dst = resolve_checkpoint(args.src), Path(args.dst)
-    check_destination(dst, src, args.overwrite)  # before any work
+    check_destination(dst, src, args.overwrite)  # before any work: where it goes, and that it can be created
     batches = None
     if has_static_inputs(args.format) and args.calibration_samples:
         texts = [Path(args.calibration_file).read_text()] if args.calibration_file else None
         batches = calibration_batches(Tokenizer.from_dir(src), args.calibration_samples, args.calibration_length, texts)
-    report = quantize_checkpoint(src, dst, args.format, exclude=args.exclude, calibration=batches, dtype=args.dtype,
-                                 max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite, progress=True)
+    try:
+        report = quantize_checkpoint(src, dst, args.format, exclude=args.exclude, calibration=batches,
+                                     dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
+                                     overwrite=args.overwrite, progress=True)
+    except OSError as e:  # a full disk, a lost mount: nothing was changed
+        print(f"error: writing {dst} failed ({e}); {dst} was left as it was", file=sys.stderr)
+        return 1
     print(f"wrote {dst} ({args.format}, {len(report.shards)} shard(s), {report.weight_bytes / 2**30:.2f} GiB of "
           f"weights, {len(batches or [])} calibration samples); written: {', '.join(report.written)}; copied from "
           f"the source: {', '.join(report.copied) or 'nothing'}", file=sys.stderr)
@@ -195,6 +228,34 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _parse(kind, text: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text}") from None
+
+
+def _temperature(text: str) -> float:
+    value = _parse(float, text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (below 1e-05: greedy), got {text}")
+    return value
+
+
+def _top_k(text: str) -> int:
+    value = _parse(int, text)
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, or 0 or -1 for no limit, got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _parse(float, text)
+    if not 0 < value <= 1:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -218,9 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="passed to the chat template (Nemotron 3 reasoning switch)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128, help="at most this many tokens (default: %(default)s)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
-    g.add_argument("--top-k", type=_positive_int, default=None, help="sample from the k most likely tokens")
-    g.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with probability >= p")
+    g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (or below 1e-05) = greedy (the default)")
+    g.add_argument("--top-k", type=_top_k, default=None, help="sample from the k most likely tokens (0 or -1: no limit)")
+    g.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set with probability >= p")
     g.add_argument("--seed", type=int, default=None, help="seed of the sampler")
     g.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")

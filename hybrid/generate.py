@@ -33,7 +33,7 @@ def generate_ids(
     max_new_tokens: int = 256,
     sampling: Sampling | None = None,
     stop_ids: list[int] | tuple[int, ...] = (),
-    pad_id: int = 0,
+    pad_id: int | None = 0,
     prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
     on_tokens: Callable[[list[int | None]], None] | None = None,
     prefix_cache: "PrefixCache | None" = None,
@@ -43,13 +43,16 @@ def generate_ids(
     Args:
         prompts: B lists of token ids, each non-empty.
         sampling: one `SamplingParams` for every row, or a list of B (each row with its own generator).
+        pad_id: the id written at padded positions; any id (None, -1, past the vocabulary) serves, since
+            padding is masked and never reaches the embedding.
         on_tokens: called after each step with the new token of each row (None for finished rows).
         prefix_cache: a `hybrid.prefix_cache.PrefixCache` of this model: each prompt resumes from its
             longest cached prefix and leaves its own blocks cached (rows are prefilled one by one).
     Returns:
         B `Completion`s (text empty; see `generate` for text).
     Raises:
-        ValueError: an empty prompt list, an empty prompt, or max_new_tokens < 1.
+        ValueError: an empty prompt list, an empty prompt, max_new_tokens < 1, or a prompt id outside the
+            model's vocabulary [0, config.vocab_size) (named with its row and position in the padded batch).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token id lists")
@@ -165,28 +168,30 @@ def generate(
         A list of `Completion`s, one per prompt, with `.text`, `.token_ids`, `.finish_reason` (and
         `.acceptance_rate` of the drafts when speculative).
     Raises:
-        ValueError: speculative with several prompts, with a prefix cache, or without an MTP block.
+        ValueError: speculative with several prompts, with a prefix cache, or without an MTP block; a
+            sampling number out of range (temperature negative or not finite, top_p outside (0, 1], top_k
+            below -1; see `SamplingParams`: temperature below 1e-5 is greedy, top_k 0 or -1 no limit); a
+            prompt token id outside the model's vocabulary (see `generate_ids`).
     """
     if isinstance(prompts, str):
         prompts = [prompts]
     if speculative and (len(prompts) != 1 or prefix_cache is not None):
         raise ValueError("speculative decoding takes one prompt and no prefix cache")
+    sampling = SamplingParams(temperature, top_k, top_p, seed)  # checks the numbers first
     if chat:
         ids = [tokenizer.encode_chat([{"role": "user", "content": p}], **chat_kwargs) for p in prompts]
     else:
         ids = [tokenizer.encode(p) for p in prompts]
     stop_ids = tokenizer.stop_ids
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     stream = _TextStream(tokenizer, len(ids), on_text, stop_ids) if on_text else None
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
     if speculative:
         c, stats = speculative_generate_ids(model, ids[0], max_new_tokens, speculative, sampling, stop_ids,
                                             on_tokens=stream)
         c.acceptance_rate = stats.acceptance_rate
         completions = [c]
     else:
-        completions = generate_ids(model, ids, max_new_tokens, sampling, stop_ids, pad, on_tokens=stream,
-                                   prefix_cache=prefix_cache)
+        completions = generate_ids(model, ids, max_new_tokens, sampling, stop_ids, tokenizer.pad_token_id,
+                                   on_tokens=stream, prefix_cache=prefix_cache)
     for c in completions:
         body = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
         c.text = tokenizer.decode(body)

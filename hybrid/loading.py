@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hybrid.checkpoint_files import CheckpointError, CheckpointFiles, resolve_checkpoint
-from hybrid.config import HybridConfig
+from hybrid.config import ConfigError, HybridConfig
 from hybrid.dtypes import torch_dtype
 from hybrid.model import HybridForCausalLM
 from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
@@ -57,9 +57,18 @@ def parse_dtype(dtype: str | torch.dtype | None, config: HybridConfig) -> torch.
 
 
 def build_model(config: HybridConfig, dtype: torch.dtype, device: str | torch.device = "meta") -> HybridForCausalLM:
-    """An uninitialised model in `dtype` (router and SSM parameters in fp32) on `device` (default: meta)."""
-    with torch.device(device):
-        model = HybridForCausalLM(config)
+    """An uninitialised model in `dtype` (router and SSM parameters in fp32) on `device` (default: meta).
+
+    Raises:
+        ConfigError: the config's sizes multiply to a tensor whose byte count overflows torch's int64.
+    """
+    try:
+        with torch.device(device):
+            model = HybridForCausalLM(config)
+    except RuntimeError as e:
+        if "overflow" not in str(e):
+            raise
+        raise ConfigError(f"the config's sizes describe a tensor too large for torch ({e})") from None
     return model.cast(dtype)
 
 

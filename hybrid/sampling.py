@@ -3,7 +3,7 @@ the draw; and the `Completion` a generation returns. Plain, speculative and (lat
 use this module; none of them imports another.
 
     probs = filtered_probs(logits, params)     softmax(logits / temperature), top-k, then top-p, renormalised
-    ids = sample(logits, params)               argmax when temperature is 0, else one draw per row
+    ids = sample(logits, params)               argmax when temperature is 0 (or < 1e-5), else one draw per row
 
 `params` is one `SamplingParams` for the whole batch (one generator draws every row), or a list with one per
 row (each row draws from its own generator, so a row gives the same tokens in any batch as alone).
@@ -11,19 +11,27 @@ row (each row draws from its own generator, so a row gives the same tokens in an
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 
+# Temperatures below this decode greedily (vLLM's `_SAMPLING_EPS`): dividing by them overflows the logits.
+SAMPLING_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    """temperature 0 (or None) is greedy (ties: lowest id); top_k / top_p filter before sampling; `seed`
-    makes the draws reproducible (this object's own generator).
+    """temperature 0 (or None, or below `SAMPLING_EPS`) is greedy (ties: lowest id); top_k / top_p filter
+    before sampling (top_k 0 or -1, like None, is no limit); `seed` makes the draws reproducible (this
+    object's own generator).
 
     Raises:
-        ValueError: temperature < 0, top_k < 1, or top_p outside (0, 1].
+        ValueError: temperature negative or not finite, top_k not a positive integer (or 0 / -1), top_p
+            outside (0, 1], or a seed torch's generator cannot take.
     """
 
     temperature: float = 0.0
@@ -33,14 +41,20 @@ class SamplingParams:
     generator: torch.Generator | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.temperature is not None and self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        t = 0.0 if self.temperature is None else self.temperature
+        if not (isinstance(t, numbers.Real) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t}")
+        self.temperature = 0.0 if t < SAMPLING_EPS else float(t)
+        k = self.top_k
+        if k is not None and not (isinstance(k, numbers.Integral) and k >= -1):
+            raise ValueError(f"top_k must be a positive integer, or 0 or -1 for no limit, got {k}")
+        self.top_k = None if k is None or k in (0, -1) else int(k)
+        if self.top_p is not None and not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.seed)
+            if not (isinstance(self.seed, numbers.Integral) and -2**63 <= self.seed < 2**64):
+                raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
+            self.generator = torch.Generator().manual_seed(int(self.seed))
 
 
 Sampling = SamplingParams | Sequence[SamplingParams]

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import reprlib
 from datetime import datetime
 from pathlib import Path
 
@@ -25,8 +26,10 @@ def _read_json(path: Path) -> dict:
     if not path.exists():
         return {}
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise CheckpointError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
@@ -36,14 +39,21 @@ def _read_json(path: Path) -> dict:
 def _token_text(value) -> str | None:
     """A special token given as a string or as `{"content": ...}` (tokenizer_config / special_tokens_map)."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
     return value if isinstance(value, str) else None
 
 
-def _ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+def _token_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _ids(value, path: Path) -> list[int]:
+    """generation_config.json's `eos_token_id`: an id, a list of ids, or null. Raises CheckpointError otherwise."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(map(_token_id, ids)):
+        raise CheckpointError(f"{path}: `eos_token_id` must be a token id (an integer >= 0), a list of them, or null, "
+                              f"got {reprlib.repr(value)}")
+    return ids
 
 
 class Tokenizer:
@@ -70,7 +80,8 @@ class Tokenizer:
         generation_config.json from `directory`.
 
         Raises:
-            CheckpointError: tokenizer.json missing or unreadable, or a JSON file that does not parse.
+            CheckpointError: tokenizer.json missing or unreadable, a JSON file that does not parse, a chat_template.jinja
+                that is not UTF-8, or a generation_config.json `eos_token_id` / `pad_token_id` that is no token id.
         """
         directory = Path(directory)
         path = directory / "tokenizer.json"
@@ -91,16 +102,22 @@ class Tokenizer:
                 special[key] = text
         template = None
         if (directory / "chat_template.jinja").exists():
-            template = (directory / "chat_template.jinja").read_text()
+            try:
+                template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise CheckpointError(f"{directory / 'chat_template.jinja'}: not valid UTF-8 ({e})") from None
         elif isinstance(tok_config.get("chat_template"), str):
             template = tok_config["chat_template"]
         elif isinstance(tok_config.get("chat_template"), list):  # named templates: take "default"
-            named = {t.get("name"): t.get("template") for t in tok_config["chat_template"]}
-            template = named.get("default")
+            template = next((t["template"] for t in tok_config["chat_template"] if isinstance(t, dict)
+                             and t.get("name") == "default" and isinstance(t.get("template"), str)), None)
 
-        stop = set(config_eos or []) | set(_ids(generation.get("eos_token_id")))
+        stop = set(config_eos or []) | set(_ids(generation.get("eos_token_id"), directory / "generation_config.json"))
         if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
             stop.add(tok.token_to_id(special["eos_token"]))
+        if generation.get("pad_token_id") is not None and not _token_id(generation["pad_token_id"]):
+            raise CheckpointError(f"{directory / 'generation_config.json'}: `pad_token_id` must be a token id "
+                                  f"(an integer >= 0) or null, got {reprlib.repr(generation['pad_token_id'])}")
         pad = tok.token_to_id(special["pad_token"]) if "pad_token" in special else None
         if pad is None:
             pad = generation.get("pad_token_id", config_pad)
@@ -119,6 +136,11 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def tokens_from(self, first_id: int) -> dict[int, str]:
+        """{id: token} of the entries numbered `first_id` or above, in id order (e.g. tokens added past a
+        model's vocabulary, `config.vocab_size`)."""
+        return dict(sorted((i, t) for t, i in self._tok.get_vocab(with_added_tokens=True).items() if i >= first_id))
 
     # ------------------------------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:

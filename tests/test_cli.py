@@ -138,3 +138,56 @@ def test_prefix_cache_file_of_another_block_size_is_left_intact(ckpt, tmp_path):
     r = run(*args, "--prefix-block-size", "8")
     assert r.returncode == 0 and "block_size 4 differs from 8" in r.stderr
     assert json.loads(r.stdout)["prefix_cache_reused_tokens"] == 0 and store.read_bytes() == before
+
+
+def run_bytes(*args, stdin: bytes):
+    return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], input=stdin, capture_output=True, timeout=300)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--temperature", "nan", "argument --temperature: must be a finite number >= 0 (below 1e-05: greedy), got nan"),
+    ("--temperature", "inf", "argument --temperature: must be a finite number >= 0 (below 1e-05: greedy), got inf"),
+    ("--temperature", "-0.1", "argument --temperature: must be a finite number >= 0 (below 1e-05: greedy), got -0.1"),
+    ("--top-p", "nan", "argument --top-p: must be in (0, 1], got nan"),
+    ("--top-p", "0", "argument --top-p: must be in (0, 1], got 0"),
+    ("--top-k", "-2", "argument --top-k: must be a positive integer, or 0 or -1 for no limit, got -2"),
+])
+def test_degenerate_sampling_options_are_usage_errors(ckpt, option, value, message):
+    r = run("generate", str(ckpt), "--prompt", "hi", option, value)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tiny_temperature_is_greedy_and_top_k_zero_is_off(ckpt):
+    args = ["generate", str(ckpt), "--prompt", "hi", "--max-new-tokens", "6", "--json"]
+    greedy = json.loads(run(*args).stdout)["token_ids"]
+    tiny = run(*args, "--temperature", "1e-40", "--seed", "1")
+    assert tiny.returncode == 0, tiny.stderr
+    assert json.loads(tiny.stdout)["token_ids"] == greedy
+    sampled = [run(*args, "--temperature", "0.9", "--seed", "4", *k) for k in ([], ["--top-k", "0"], ["--top-k", "-1"])]
+    assert all(r.returncode == 0 for r in sampled), sampled[1].stderr
+    assert len({tuple(json.loads(r.stdout)["token_ids"]) for r in sampled}) == 1
+
+
+def test_prompt_that_is_not_utf8_is_a_clear_error(ckpt):
+    r = run_bytes("generate", str(ckpt), "--prompt", "-", stdin=b"\xff\xfe hi")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err
+    assert err == "error: stdin is not valid UTF-8: byte 0xff at offset 0 (invalid start byte)\n"
+    r = run_bytes("generate", str(ckpt), "--prompt", "-", stdin="naïve café\n".encode() + b"\xc3")
+    assert r.returncode == 2 and "stdin is not valid UTF-8: byte 0xc3 at offset 13" in r.stderr.decode()
+    r = subprocess.run([sys.executable, "-m", "hybrid.cli", "generate", str(ckpt), "--prompt", b"ab\xff"],
+                       capture_output=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.decode() == "error: --prompt is not valid UTF-8: byte 0xff at character 2\n"
+    ok = run_bytes("generate", str(ckpt), "--prompt", "-", "--max-new-tokens", "2", stdin="naïve café\n".encode())
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_token_past_the_vocabulary_is_a_clear_error(tmp_path):
+    small = write_checkpoint(tmp_path / "small", pattern="ME*-M", seed=5, vocab_size=300)  # tokenizer: 320
+    r = run("generate", str(small), "--prompt", "The grass is green.", "--max-new-tokens", "2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "note: " in r.stderr and "the tokenizer has 20 tokens past the model's vocabulary (config.vocab_size 300)" \
+        in r.stderr
+    assert r.stderr.splitlines()[-1].startswith("error: token id 3")
+    assert r.stderr.splitlines()[-1].endswith("is outside the model's vocabulary: ids must lie in [0, 300) "
+                                              "(config.vocab_size)")

@@ -11,9 +11,11 @@ import torch
 lm_eval = pytest.importorskip("lm_eval")
 
 import hybrid  # noqa: E402
+import hybrid.eval.lm_eval_adapter as adapter  # noqa: E402
 from hybrid.eval.lm_eval_adapter import HybridLM  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
-from tiny_checkpoint import write_checkpoint  # noqa: E402
+from tiny_checkpoint import CHAT_TEMPLATE, write_checkpoint  # noqa: E402
+from tokenizers import Tokenizer, processors  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +123,65 @@ def test_niah_single_1_offline_through_simple_evaluate(ckpt, monkeypatch):
         refs = s["doc"]["outputs"]
         implied.append(sum(r.lower() in prediction.strip().lower() for r in refs) / len(refs))
     assert result["1024,none"] == pytest.approx(sum(implied) / len(implied))
+
+
+@pytest.fixture(scope="module")
+def bos_ckpt(tmp_path_factory):
+    """A tokenizer that adds BOS itself (`<s> $A`, as Llama-style ones do) and a chat template that starts with
+    `{{ bos_token }}`: encoding the rendered chat with special tokens again would give [1, 1, ...]."""
+    directory = write_checkpoint(tmp_path_factory.mktemp("bos") / "ckpt", "M*E-", seed=3)
+    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "chat_template.jinja").write_text("{{ bos_token }}" + CHAT_TEMPLATE)
+    return directory
+
+
+def chat_context(lm, tok):
+    """The rendered chat lm-eval's --apply_chat_template sends as the context, and the ids
+    hybrid.generate(chat=True) feeds the model for it (one BOS)."""
+    messages = [{"role": "user", "content": "The sky is"}]
+    context, want = lm.apply_chat_template(messages), tok.encode_chat(messages)
+    assert context.startswith("<s><|im_start|>") and want[:2] == [1, 3]
+    assert tok.encode(context)[:2] == [1, 1]  # the trap: the rendered BOS, then the tokenizer's own
+    return context, want
+
+
+def test_chat_template_with_bos_loglikelihood_has_one_bos(bos_ckpt):
+    model, tok = hybrid.load(bos_ckpt)
+    lm = HybridLM(pretrained=str(bos_ckpt))
+    context, want = chat_context(lm, tok)
+    # the context's trailing "\n" moves to the continuation (lm-eval's rule)
+    ctx, cont = tok.encode(context.rstrip(), add_special_tokens=False), tok.encode("\n blue", add_special_tokens=False)
+    assert ctx + cont == tok.encode(context + " blue", add_special_tokens=False) and ctx == want[:-1]
+    [(logprob, greedy)] = lm.loglikelihood([request("loglikelihood", context, " blue")], disable_tqdm=True)
+    want_logprob, want_greedy = direct_logprob(model, ctx, cont)
+    assert logprob == pytest.approx(want_logprob, abs=1e-3) and greedy == want_greedy
+    assert lm.encode_pair(context, " blue") == (ctx, cont)
+    ctx, _ = lm.encode_pair("The sky is", " blue")  # a plain context still gets the tokenizer's BOS, once
+    assert ctx == tok.encode("The sky is") and ctx[:1] == [1] and ctx[1] != 1
+
+
+def test_chat_template_with_bos_generate_until_has_one_bos(bos_ckpt, monkeypatch):
+    model, tok = hybrid.load(bos_ckpt)
+    lm = HybridLM(pretrained=str(bos_ckpt))
+    context, want = chat_context(lm, tok)
+    prompts = []
+    real = adapter.generate_ids
+    monkeypatch.setattr(adapter, "generate_ids", lambda m, p, *a, **k: prompts.extend(p) or real(m, p, *a, **k))
+    [text] = lm.generate_until([request("generate_until", context, {"until": [], "max_gen_toks": 8})],
+                               disable_tqdm=True)
+    assert prompts == [want]
+    [c] = hybrid.generate(model, tok, "The sky is", max_new_tokens=8, chat=True)
+    assert text == c.text
+
+
+@pytest.mark.parametrize("off", [0, -1])
+def test_generation_kwargs_top_k_zero_or_minus_one_is_off(ckpt, off):
+    lm = HybridLM(pretrained=str(ckpt))
+    kwargs = {"until": [], "max_gen_toks": 6, "do_sample": True, "temperature": 0.9}
+    texts = []
+    for extra in ({"top_k": off}, {}):
+        torch.manual_seed(7)  # the adapter draws from torch's global generator, as lm-eval's HF model does
+        texts += lm.generate_until([request("generate_until", "hello", {**kwargs, **extra})], disable_tqdm=True)
+    assert texts[0] == texts[1]

@@ -126,7 +126,7 @@ def test_per_row_sampling_params_equal_each_row_alone(loaded):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-1), "temperature"), (dict(top_k=0), "top_k"), (dict(top_p=1.5), "top_p")])
+    (dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"), (dict(top_p=1.5), "top_p")])
 def test_bad_sampling_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

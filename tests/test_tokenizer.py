@@ -64,3 +64,10 @@ def test_missing_tokenizer(tmp_path):
 
     with pytest.raises(CheckpointError, match="no tokenizer.json"):
         Tokenizer.from_dir(tmp_path)
+
+
+def test_tokens_from_lists_the_entries_past_an_id(tokdir):
+    tok = Tokenizer.from_dir(tokdir)
+    assert tok.tokens_from(318) == {318: tok._tok.id_to_token(318), 319: tok._tok.id_to_token(319)}
+    assert tok.tokens_from(320) == {} and list(tok.tokens_from(0))[:5] == [0, 1, 2, 3, 4]
+    assert tok.tokens_from(0)[4] == "<|im_end|>"

@@ -23,7 +23,10 @@ chunks (`prefill_chunk_size`), so memory stays bounded.
 
 Tokenisation of a (context, continuation) pair follows lm-eval's HF model: trailing spaces of the context
 move to the continuation, the pair is encoded whole (with the tokenizer's special tokens, e.g. BOS) and
-split after the context's own tokens; an empty context becomes the BOS (else EOS) token.
+split after the context's own tokens; an empty context becomes the BOS (else EOS) token. A text that already
+starts with the BOS token (a chat template rendering `{{ bos_token }}`, with `--apply_chat_template`) is
+encoded without special tokens, so it carries one BOS, as `hybrid.generate(chat=True)` feeds it.
+Generation kwargs `top_k: 0` or `-1` mean no limit (transformers' and vLLM's reading).
 """
 
 from __future__ import annotations
@@ -98,6 +101,12 @@ class HybridLM(LM):
         return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt)
 
     # ------------------------------------------------------------------------------------ scoring
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` with the tokenizer's special tokens, unless it already starts with the BOS token
+        (as lm-eval's HF model does: a rendered chat template carries its own)."""
+        bos = self.tokenizer.bos_token
+        return self.tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
+
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Token ids of context and continuation (see the module docstring)."""
         spaces = len(context) - len(context.rstrip())
@@ -106,8 +115,8 @@ class HybridLM(LM):
         if not context:
             ctx = self.tokenizer.encode("") or [self.prefix_token_id]
             return ctx, self.tokenizer.encode(continuation, add_special_tokens=False)
-        whole = self.tokenizer.encode(context + continuation)
-        ctx = self.tokenizer.encode(context)
+        whole = self.encode(context + continuation)
+        ctx = self.encode(context)
         return ctx, whole[len(ctx):]
 
     def _score(self, pairs: list[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
@@ -176,7 +185,7 @@ class HybridLM(LM):
                 rows = indexes[start:start + self.batch_size]
                 prompts = []
                 for i in rows:
-                    ids = self.tokenizer.encode(requests[i].args[0])
+                    ids = self.encode(requests[i].args[0])
                     if self.max_length and len(ids) > self.max_length - budget:
                         ids = ids[-max(1, self.max_length - budget):]
                     prompts.append(ids)

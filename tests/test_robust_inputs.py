@@ -1,0 +1,167 @@
+"""Bad or unusual inputs: token ids outside the vocabulary, padding ids of any kind, degenerate sampling
+numbers, and a property test of the sampling filters (issue 15)."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from tokenizers import Tokenizer as HFTokenizer
+
+import hybrid
+from hybrid.batch import left_pad
+from hybrid.generate import generate_ids
+from hybrid.sampling import SAMPLING_EPS, SamplingParams, sample
+from tiny_checkpoint import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("robust"), "M*E-", seed=1)
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return hybrid.load(ckpt, progress=False)
+
+
+def add_pad_past_vocab(directory) -> int:
+    """Add a `[PAD]` token after the tokenizer's last entry and make it the pad token; return its id."""
+    tok = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+    tok.add_special_tokens(["[PAD]"])
+    tok.save(str(directory / "tokenizer.json"))
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "pad_token": "[PAD]"}))
+    return tok.token_to_id("[PAD]")
+
+
+# ---------------------------------------------------------------------------------- ids outside the vocab
+@pytest.mark.parametrize("bad", [320, -1, 10**6])
+def test_id_outside_vocabulary_is_a_clear_error(loaded, bad):
+    model, _ = loaded
+    message = rf"token id {bad} \(input_ids\[1, 1\]\) is outside the model's vocabulary: ids must lie in \[0, 320\)"
+    with pytest.raises(ValueError, match=message):
+        generate_ids(model, [[5, 6], [5, bad]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=message):
+        model(torch.tensor([[5, 6], [5, bad]]))
+    with pytest.raises(ValueError, match="input_ids must hold integer token ids, got torch.float32"):
+        model(torch.tensor([[5.0, 6.0]]))
+    (c,) = generate_ids(model, [[5, 319]], max_new_tokens=2)  # the last id is fine
+    assert len(c.token_ids) == 2
+
+
+def test_tokenizer_past_vocabulary_is_noted_and_pad_there_works(tmp_path):
+    """A `[PAD]` added past vocab_size (a Hugging Face idiom): load notes it, padding with it works, feeding
+    it as a real token is the clear error."""
+    directory = write_checkpoint(tmp_path / "ck", "M*E-", seed=1)
+    pad = add_pad_past_vocab(directory)
+    assert pad == 320
+    with pytest.warns(UserWarning, match=r"1 token past the model's vocabulary \(config.vocab_size 320\): "
+                                         r"'\[PAD\]' = 320; it cannot be fed to the model"):
+        model, tok = hybrid.load(directory, progress=False)
+    assert tok.pad_token_id == 320
+    prompts = ["hello", "The grass is green. The sky"]
+    together = hybrid.generate(model, tok, prompts, max_new_tokens=6)
+    for prompt, c in zip(prompts, together):
+        (alone,) = hybrid.generate(model, tok, prompt, max_new_tokens=6)
+        assert c.token_ids == alone.token_ids
+    with pytest.raises(ValueError, match=r"token id 320 .* \[0, 320\)"):
+        generate_ids(model, [[5, pad]], max_new_tokens=1)
+    with warnings.catch_warnings():  # a tokenizer inside the vocabulary: no note
+        warnings.simplefilter("error")
+        hybrid.load(write_checkpoint(tmp_path / "plain", "M*E-", seed=1), progress=False)
+
+
+# ---------------------------------------------------------------------------------- padding ids
+@pytest.mark.parametrize("pad_id", [0, "inside", None, 320, -1])
+def test_batch_rows_equal_rows_alone_whatever_the_pad_id(loaded, pad_id):
+    model, tok = loaded
+    prompts = [tok.encode(t) for t in ("hello", "The grass is green. The sky is blue.", "a", "The pass key is")]
+    if pad_id == "inside":
+        pad_id = prompts[1][0]
+        assert pad_id == prompts[3][0]  # "The": a real token of the prompts
+    together = generate_ids(model, prompts, max_new_tokens=8, pad_id=pad_id, prefill_chunk_size=5)
+    batch = left_pad(prompts, pad_id)
+    with torch.inference_mode():
+        logits = model(batch.ids, model.new_cache(len(prompts), capacity=batch.ids.shape[1]),
+                       attention_mask=batch.mask)
+    for row, (p, c) in enumerate(zip(prompts, together)):
+        (alone,) = generate_ids(model, [p], max_new_tokens=8)
+        assert c.token_ids == alone.token_ids, row
+        with torch.inference_mode():
+            want = model(torch.tensor([p]))[0]
+        torch.testing.assert_close(logits[row, batch.offsets[row]:], want, atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- sampling numbers
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=float("nan")), "temperature must be a finite number >= 0, got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number >= 0, got inf"),
+    (dict(temperature=-0.5), "temperature must be a finite number >= 0, got -0.5"),
+    (dict(top_p=float("nan")), r"top_p must be in \(0, 1\], got nan"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_k=-2), "top_k must be a positive integer, or 0 or -1 for no limit, got -2"),
+    (dict(top_k=2.5), "top_k must be a positive integer, or 0 or -1 for no limit, got 2.5"),
+    (dict(seed=2**64), r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got 18446744073709551616"),
+])
+def test_degenerate_sampling_numbers_are_rejected(loaded, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+    model, tok = loaded
+    with pytest.raises(ValueError, match=message):
+        hybrid.generate(model, tok, "hi", max_new_tokens=2, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-6, 9.99e-6])
+def test_tiny_temperature_is_greedy(loaded, temperature):
+    model, tok = loaded
+    assert SamplingParams(temperature).temperature == 0.0
+    (greedy,) = hybrid.generate(model, tok, "The grass is", max_new_tokens=6)
+    (tiny,) = hybrid.generate(model, tok, "The grass is", max_new_tokens=6, temperature=temperature, seed=3)
+    assert tiny.token_ids == greedy.token_ids
+    assert SamplingParams(SAMPLING_EPS).temperature == SAMPLING_EPS  # the cut-off itself samples
+
+
+@pytest.mark.parametrize("off", [0, -1, None])
+def test_top_k_zero_or_minus_one_is_off(off):
+    assert SamplingParams(1.0, top_k=off).top_k is None
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5]]).expand(200, 4)
+    assert set(sample(logits, SamplingParams(1.0, top_k=off, seed=0)).tolist()) == {0, 1, 2, 3}
+    assert SamplingParams(1.0, top_k=3).top_k == 3
+
+
+# ---------------------------------------------------------------------------------- property: kept set
+def allowed(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """Ids the filters may keep, computed independently in float64: top-k keeps ids with fewer than k
+    strictly larger scaled logits; top-p keeps an id when the mass of the strictly more likely survivors is at
+    most top_p (the smallest prefix reaching top_p, ties either way); greedy keeps the lowest argmax."""
+    if params.temperature == 0:
+        return {int(logits.argmax())}
+    scaled = (logits.float() / params.temperature).double()  # the same rounding as the sampler's input
+    ids = range(len(scaled))
+    keep = [i for i in ids if params.top_k is None or int((scaled > scaled[i]).sum()) < params.top_k]
+    probs = torch.full_like(scaled, 0.0)
+    probs[keep] = scaled[keep].softmax(-1)
+    if params.top_p is not None:
+        keep = [i for i in keep if float(probs[probs > probs[i]].sum()) <= params.top_p + 1e-5]
+    return set(keep)
+
+
+temperatures = st.one_of(st.just(0.0), st.floats(1e-9, SAMPLING_EPS, exclude_max=True), st.floats(0.05, 5.0))
+
+
+@settings(max_examples=80, deadline=None)
+@given(logits=st.lists(st.floats(-30, 30, allow_nan=False, width=32), min_size=2, max_size=40),
+       temperature=temperatures, top_k=st.one_of(st.none(), st.integers(-1, 45)),
+       top_p=st.one_of(st.none(), st.floats(1e-3, 1.0)), seed=st.integers(0, 2**31 - 1))
+def test_sampled_ids_lie_in_the_kept_set(logits, temperature, top_k, top_p, seed):
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    row = torch.tensor(logits)
+    draws = set(sample(row.expand(64, len(logits)), params).tolist())
+    kept = allowed(row, params)
+    assert draws <= kept, (draws - kept, kept)
+    assert all(0 <= i < len(logits) for i in draws) and not math.isnan(row.sum())
