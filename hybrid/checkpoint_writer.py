@@ -1,15 +1,18 @@
 """The one way a checkpoint directory is written (`save_checkpoint`, `hybrid quantize`, the bench builders).
 
-Rules, each tested (tests/test_checkpoint_writer.py):
+Rules, each tested (tests/test_checkpoint_writer.py, tests/test_writes.py):
 - The destination is never the source, inside it, or around it (paths resolved, symlinks followed).
-- A destination that exists and is not empty is refused unless `overwrite`.
+- A destination that exists and is not empty is refused unless `overwrite`; one that cannot be created (under
+  a file, in a read-only directory) is refused before anything else is done.
 - Everything is written into a temporary directory beside the destination and renamed into place at the
   end, so an interrupted or failed write leaves the old destination as it was and no partial file under a
-  final name. With `overwrite`, the old destination is moved aside first and deleted only after the rename.
+  final name. With `overwrite`, the old destination is moved aside first and deleted only after the rename,
+  so nothing of an earlier checkpoint (a stale shard or index) stays beside the new one.
 - Files get the user's umask (safetensors alone would leave its files 0600).
 - Everything of the source that is not weights (generation_config.json with its sampling defaults and
   stop ids, tokenizer files, the chat template, special tokens map, the model card) is copied unless the
-  caller writes that file itself; `WriteReport` says what was written, copied and left out.
+  caller writes that file itself; `WriteReport` says what was written, copied and left out. Weight
+  indexes (`*.index.json`) and `hf_quant_config.json` describe the source's weights and are left out.
 - Weights are added tensor by tensor; a shard (safetensors, via the `safetensors` library) is written as
   soon as the next tensor would take it past `max_shard_bytes`, so a writer holds at most one shard's
   tensors. With `max_shard_bytes`, shards are `model-0000i-of-0000n.safetensors` plus
@@ -54,8 +57,14 @@ class WriteReport:
 
 
 def check_destination(destination: Path, source: Path | None, overwrite: bool) -> None:
-    """Raise WriteError when `destination` may not be written (see the module docstring)."""
-    dst = destination.expanduser().resolve()
+    """Check that `destination` may be written (see the module docstring): its parent directory is created
+    and a temporary directory made (and removed) in it, so a path that cannot be written fails here.
+
+    Raises:
+        WriteError: the destination is the source, inside or around it, exists and is not empty (without
+            `overwrite`), is a file, or cannot be created.
+    """
+    dst = Path(destination).expanduser().resolve()
     if dst.exists() and not dst.is_dir():
         raise WriteError(f"{destination} exists and is not a directory")
     if source is not None:
@@ -69,6 +78,27 @@ def check_destination(destination: Path, source: Path | None, overwrite: bool) -
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise WriteError(f"{destination} exists and is not empty: choose another directory, or overwrite it "
                          "(--overwrite; overwrite=True)")
+    _temp_dir(destination).rmdir()
+
+
+def _temp_dir(destination: Path) -> Path:
+    """A new temporary directory beside `destination` (its parent created first).
+
+    Raises:
+        WriteError: the parent cannot be created or written (the message names the path in the way).
+    """
+    dst = Path(destination).expanduser().resolve()
+    blocking = next((p for p in reversed(dst.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise WriteError(f"{destination} cannot be created: {blocking} is a file, not a directory")
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise WriteError(f"{destination} cannot be created: {e.strerror or e} ({e.filename})") from None
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+    except OSError as e:
+        raise WriteError(f"{destination} cannot be created: {e.strerror or e} in {dst.parent}") from None
 
 
 class CheckpointWriter:
@@ -83,22 +113,21 @@ class CheckpointWriter:
     Leaving the block normally commits (renames the temporary directory into place); an exception
     discards the temporary directory and leaves the destination untouched.
     Raises:
-        WriteError: the destination is the source, inside it or around it, or exists and is not empty
-            (without `overwrite`).
+        WriteError: the destination is the source, inside it or around it, exists and is not empty
+            (without `overwrite`), or cannot be created.
+        ValueError: max_shard_bytes < 1.
     """
 
     def __init__(self, destination: str | Path, source: str | Path | None = None, overwrite: bool = False,
                  max_shard_bytes: int | None = None):
         self.destination = Path(destination).expanduser()
         self.source = None if source is None else Path(source).expanduser()
-        check_destination(self.destination, self.source, overwrite)
         if max_shard_bytes is not None and max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+        check_destination(self.destination, self.source, overwrite)
         self.max_shard_bytes = max_shard_bytes
         self.overwrite = overwrite
-        parent = self.destination.resolve().parent
-        parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.destination.name}.", suffix=".partial", dir=parent))
+        self.tmp = _temp_dir(self.destination)
         self.report = WriteReport(self.destination)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -133,6 +162,7 @@ class CheckpointWriter:
         self.report.copied.append(path.name)
 
     def write_text(self, filename: str, text: str) -> None:
+        """Write a text file of the checkpoint (the caller's; the source's file of that name is not copied)."""
         (self.tmp / filename).write_text(text)
         self.report.written.append(filename)
 
@@ -174,17 +204,17 @@ class CheckpointWriter:
         for f in sorted(self.source.iterdir()):
             if not f.is_file() or f.name.startswith("."):
                 continue
-            if f.name.endswith(WEIGHT_SUFFIXES) or f.name in NOT_COPIED:
+            if f.name.endswith(WEIGHT_SUFFIXES + (".index.json",)) or f.name in NOT_COPIED:
                 self.report.left_out.append(f.name)
             elif f.name not in self.report.written:
                 shutil.copyfile(f, self.tmp / f.name)
                 self.report.copied.append(f.name)
 
     def _move_into_place(self) -> None:
-        dst = self.destination
+        dst = self.destination.resolve()  # through a symlink: its target is replaced
         old = None
         if dst.exists() and any(dst.iterdir()):  # overwrite (checked at the start): keep it until the rename
-            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.resolve().parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
             os.replace(dst, old / dst.name)
         os.replace(self.tmp, dst)
         if old is not None:

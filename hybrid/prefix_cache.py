@@ -190,7 +190,7 @@ class PrefixCache:
             raise bad(f"block_size {meta.get('block_size')} differs from {self.block_size}")
         try:
             entries = json.loads(meta.get("nodes", ""))
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, nested too deeply, an integer of more than 4300 digits
             raise bad("its node list (metadata 'nodes') is not JSON") from None
         if not isinstance(entries, list) or not all(
                 isinstance(e, dict) and isinstance(e.get("digest"), str)

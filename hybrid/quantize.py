@@ -19,11 +19,14 @@ ModelOpt's export does for uncalibrated experts.
 
 Default exclusions (`default_exclusions`) follow the Nemotron 3 Nano NVFP4 release: lm_head, the
 embeddings, every attention layer's projections, the in/out projections of the Mamba layer feeding each
-attention layer, every conv1d, the routers (`mixer.gate`), and the MTP block. `exclude` replaces them.
+attention layer, every conv1d, the routers (`mixer.gate`), and the MTP block. `exclude` replaces them; a
+head tied to the embeddings (`tie_word_embeddings`) is always kept unquantized (one matrix, stored once, as
+the embedding), with a note, and recorded among the exclusions.
 """
 
 from __future__ import annotations
 
+import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -32,7 +35,7 @@ from torch import nn
 
 from hybrid.cache import StepContext
 from hybrid.checkpoint_files import CheckpointError, CheckpointFiles, resolve_checkpoint
-from hybrid.checkpoint_writer import CheckpointWriter, WriteReport, check_destination
+from hybrid.checkpoint_writer import CheckpointWriter, WriteReport
 from hybrid.config import ATTENTION, MAMBA, HybridConfig
 from hybrid.loading import build_model, parse_dtype, read_tensor, read_tensors
 from hybrid.model import HybridForCausalLM
@@ -69,6 +72,15 @@ def plan(config: HybridConfig, fmt_name: str, exclude: list[str] | None = None) 
     if fmt_name not in formats.QUANTIZE_FORMATS:
         raise ValueError(f"--format {fmt_name!r} is not supported; expected one of {sorted(formats.QUANTIZE_FORMATS)}")
     exclude = default_exclusions(config) if exclude is None else list(exclude)
+    qc = _modelopt_config(fmt_name, exclude)
+    if config.tie_word_embeddings and qc.format_for("lm_head") is not None:
+        print("note: lm_head is tied to the embeddings (tie_word_embeddings): keeping it unquantized "
+              "(added to the excluded modules)", file=sys.stderr)
+        qc = _modelopt_config(fmt_name, exclude + ["lm_head"])
+    return qc
+
+
+def _modelopt_config(fmt_name: str, exclude: list[str]) -> QuantConfig:
     try:
         producer = {"name": "hybrid-moe", "version": version("hybrid-moe")}
     except PackageNotFoundError:
@@ -259,6 +271,27 @@ def _owned_by_packed(name: str, packed: set[str]) -> bool:
     return any(name.startswith(p + ".") for p in packed)
 
 
+def _write_tensors(writer: CheckpointWriter, out: HybridForCausalLM, files: CheckpointFiles, stats: InputAmax,
+                   packed: set[str], used: set[str], progress: str | None) -> None:
+    """Every tensor of the output model (meta `out`) to `writer`, module by module; `progress`: the
+    description of a tqdm bar over the source tensors (None: no bar)."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(1 for _ in files.keys()), unit="tensor", desc=progress)
+    for name, module in out.named_modules():
+        if _owned_by_packed(name, packed):
+            continue  # written with the packed module that holds it
+        before = len(used)
+        for tname, t in _module_tensors(name, module, files, stats, out, used):
+            writer.add(tname, t)
+        if bar is not None:
+            bar.update(len(used) - before)
+    if bar is not None:
+        bar.close()
+
+
 @torch.no_grad()
 def quantize_checkpoint(source: str | Path, destination: str | Path, fmt_name: str, exclude: list[str] | None = None,
                         calibration: list[torch.Tensor] | None = None, dtype: str | torch.dtype | None = None,
@@ -270,44 +303,35 @@ def quantize_checkpoint(source: str | Path, destination: str | Path, fmt_name: s
     unquantized tensors and the calibration (default: the config's). progress: a tqdm bar over the source
     tensors. Returns the writer's report (shards, copied files).
     Raises:
-        WriteError: the destination is the source, inside or around it, or not empty without `overwrite`.
+        WriteError: the destination is the source, inside or around it, not empty without `overwrite`, or
+            cannot be created (checked before anything else is done).
+        OSError: a write failed (the destination is then as it was).
         ValueError / CheckpointError: an already quantized source, an unknown format, a module the format
             cannot store, missing, unused or mistyped tensors.
     """
     src = resolve_checkpoint(source)
-    check_destination(Path(destination), src, overwrite)
-    config = HybridConfig.from_file(src / "config.json")
-    if (existing := read_quant_config(src, config)) is not None:
-        raise ValueError(f"{source} is already quantized ({existing.source})")
-    dtype = parse_dtype(dtype, config)
-    qc = plan(config, fmt_name, exclude)
-    files = CheckpointFiles(src)
-    stats = (calibrate_streamed(files, config, dtype, qc, calibration) if calibration and has_static_inputs(fmt_name)
-             else InputAmax())
-    out = build_model(config, dtype)  # meta: the output's modules, names, shapes and dtypes
-    quantize_modules(out, qc)
-    packed = {n for n, m in out.named_modules() if isinstance(m, (QuantExpertBank, QuantLinear))}
-    used: set[str] = set()
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=sum(1 for _ in files.keys()), unit="tensor", desc=f"quantize {fmt_name}")
+    # the destination first (checked, its temporary directory made): a failure costs nothing; any error below
+    # discards the temporary directory and leaves the destination as it was
     with CheckpointWriter(destination, source=src, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
-        write_config_files(writer, out.config, dtype, qc, src)
-        for name, module in out.named_modules():
-            if _owned_by_packed(name, packed):
-                continue  # written with the packed module that holds it
-            before = len(used)
-            for tname, t in _module_tensors(name, module, files, stats, out, used):
-                writer.add(tname, t)
-            if bar is not None:
-                bar.update(len(used) - before)
+        config = HybridConfig.from_file(src / "config.json")
+        if (existing := read_quant_config(src, config)) is not None:
+            raise ValueError(f"{source} is already quantized ({existing.source})")
+        dtype = parse_dtype(dtype, config)
+        qc = plan(config, fmt_name, exclude)
+        files = CheckpointFiles(src)
+        stats = (calibrate_streamed(files, config, dtype, qc, calibration)
+                 if calibration and has_static_inputs(fmt_name) else InputAmax())
+        out = build_model(config, dtype)  # meta: the output's modules, names, shapes and dtypes
+        quantize_modules(out, qc)
+        packed = {n for n, m in out.named_modules() if isinstance(m, (QuantExpertBank, QuantLinear))}
+        used: set[str] = set()
+        hub = not Path(source).expanduser().is_dir()
+        write_config_files(writer, out.config, dtype, qc, src, source_name=str(source) if hub else None)
+        _write_tensors(writer, out, files, stats, packed, used, f"quantize {fmt_name}" if progress else None)
         if config.tie_word_embeddings and "lm_head.weight" in files:
             used.add("lm_head.weight")  # the loader checks it equals the embeddings
         unused = sorted(set(files.keys()) - used)
         if unused:
-            raise CheckpointError(f"{src}: {len(unused)} tensor(s) in the files are not used by the model: {unused[:8]}")
-    if bar is not None:
-        bar.close()
+            raise CheckpointError(f"{src}: {len(unused)} tensor(s) in the files are not used by the model: "
+                                  f"{unused[:8]}")
     return writer.report

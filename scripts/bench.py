@@ -282,6 +282,13 @@ def print_table(report: dict) -> None:
         print(f"  {t['target']:40} {t['value']:>9} (goal >= {t['goal']}): {'pass' if t['pass'] else 'fall short'}")
 
 
+def write_json(path: Path, content, indent: int = 1) -> None:
+    """Write `content` as JSON to `path` atomically (`hybrid.atomic`: a failed write leaves the previous file)."""
+    from hybrid.atomic import atomic_write_text  # imported here: the engines' workers stay free of it
+
+    atomic_write_text(path, json.dumps(content, indent=indent, default=str) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", choices=sorted(PRESETS), default="medium")
@@ -353,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint_bytes = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     report["checkpoint_bytes"] = checkpoint_bytes
     report["targets"] = targets(engines, bandwidth, active_bytes, checkpoint_bytes)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report)
     print_table(report)
     return 0
 

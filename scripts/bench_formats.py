@@ -149,7 +149,7 @@ def prepare(args, source: Path) -> dict:
             print(f"hybrid quantize --format {fmt} ...", file=sys.stderr)
             record[fmt] = _timed([sys.executable, "-m", "hybrid.cli", "quantize", str(source), str(out), "--format",
                                   fmt, "--threads", str(args.threads), "--overwrite"])
-            record_path.write_text(json.dumps(record, indent=1) + "\n")
+            write_json(record_path, record)
     ggufs = {}
     if args.llama_python.exists() and Path(args.peer_tool).exists():
         bf16 = args.workdir / "nano-slice-bf16.gguf"
@@ -195,6 +195,13 @@ def run_llama(args, gguf: Path) -> dict:
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-300:]}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write_json(path: Path, content, indent: int = 1) -> None:
+    """Write `content` as JSON to `path` atomically (`hybrid.atomic`: a failed write leaves the previous file)."""
+    from hybrid.atomic import atomic_write_text  # imported here: the engines' workers stay free of it
+
+    atomic_write_text(path, json.dumps(content, indent=indent, default=str) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -275,7 +282,7 @@ def run(args, source: Path) -> int:
             report["projection_nano_decode_tok_s"][f"llama.cpp {name}"] = (
                 lc["decode_tok_s"] * ours_bytes["bf16"] / nano_bytes["bf16"])
     report["targets"] = targets(report, ours_bytes, llama_bytes)
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    write_json(args.out, report)
     print_report(report)
     return 0
 

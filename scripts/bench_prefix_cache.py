@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from hybrid.atomic import atomic_write_text
 from hybrid.cache import KVCache
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.config import HybridConfig
@@ -33,6 +34,11 @@ from hybrid.loading import build_model, load
 from hybrid.prefix_cache import PrefixCache
 from hybrid.training import init_weights
 
+
+
+def write_json(path: Path, content, indent: int = 1) -> None:
+    """Write `content` as JSON to `path` atomically (`hybrid.atomic`: a failed write leaves the previous file)."""
+    atomic_write_text(path, json.dumps(content, indent=indent, default=str) + "\n")
 
 
 def build(args):
@@ -103,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         "snapshot_bytes_for_prefix": blocks * mamba_bytes + blocks * args.block_size * kv_per_token,
         "cache_bytes_held": prefix_cache.nbytes,
     }
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result)
     print(f"{name} ({args.dtype}, {result['threads']} threads): {args.prefix_tokens}-token shared prefix + "
           f"{args.question_tokens}-token question")
     print(f"  time to first token: cold {result['ttft_cold_s']:.3f} s, with the prefix cached "

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from hybrid.atomic import atomic_write_text
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.eval.tasks import fit_to_length
 from hybrid.generate import generate_ids
@@ -30,6 +31,11 @@ PROSE = [
     "A class definition defines a class object. The class name is bound",
     "The import statement finds a module, loads and initializes it if",
 ]
+
+
+def write_json(path: Path, content, indent: int = 1) -> None:
+    """Write `content` as JSON to `path` atomically (`hybrid.atomic`: a failed write leaves the previous file)."""
+    atomic_write_text(path, json.dumps(content, indent=indent, default=str) + "\n")
 
 
 def prompts(tokenizer) -> list[tuple[str, list[int]]]:
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.num_draft:
         summary[f"n{n}_mean_acceptance"] = statistics.mean(r[f"n{n}_acceptance"] for r in rows)
         summary[f"n{n}_median_speedup"] = statistics.median(r[f"n{n}_speedup"] for r in rows)
-    args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(args.out, summary)
 
     head = f"{'prompt':10} {'tokens':>6} {'plain tok/s':>11}" + "".join(
         f" {'n=' + str(n) + ' acc':>9} {'tok/s':>7} {'x':>5}" for n in args.num_draft)

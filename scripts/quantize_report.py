@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import hybrid  # noqa: E402
 from hybrid.accounting import resident_bytes  # noqa: E402
+from hybrid.atomic import atomic_write_text  # noqa: E402
 from hybrid.calibration import calibration_batches  # noqa: E402
 from hybrid.config import HybridConfig  # noqa: E402
 from hybrid.generate import generate_ids  # noqa: E402
@@ -181,6 +182,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def write_json(path: Path, content, indent: int = 1) -> None:
+    """Write `content` as JSON to `path` atomically (`hybrid.atomic`: a failed write leaves the previous file)."""
+    atomic_write_text(path, json.dumps(content, indent=indent, default=str) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (default checkpoint: checkpoints/hybrid-mini)")
@@ -210,8 +216,7 @@ def main(argv=None) -> int:
             report["models"][f"random-{args.random_config}"] = measure(src, f"random-{args.random_config}", args, work)
     text = json.dumps(report, indent=2)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        write_json(Path(args.out), report, indent=2)
     print(text)
     print(markdown(report), file=sys.stderr)
     return 0

@@ -37,13 +37,15 @@ initializer_range = 1/sqrt(d_model) (see `model_config`).
 Outputs in --out: `results.jsonl` (one record per run and evaluated pair count), `results.csv` (the same
 records), `accuracy.png` (accuracy vs pairs, one line per architecture, one panel per state size); the
 table is printed. Pure attention does not depend on the state size: it is trained once (state_size
-empty) and drawn in every panel.
+empty) and drawn in every panel. Each file is written atomically (`hybrid.atomic`), results.jsonl after
+every run, so an interruption leaves the results so far, never a partial file.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import sys
 import time
@@ -55,6 +57,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hybrid.atomic import atomic_path, atomic_write_text
 from hybrid.config import MAMBA, HybridConfig
 from hybrid.loading import build_model
 from hybrid.model import HybridForCausalLM
@@ -269,15 +272,17 @@ def run_specs(args: argparse.Namespace) -> list[RunSpec]:
 
 # ---------------------------------------------------------------------------------------------- reports
 def write_jsonl(records: list[dict], path: Path) -> None:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    """All records, one JSON object a line, written atomically (a failed write leaves the previous file)."""
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in records))
 
 
 def write_csv(records: list[dict], path: Path) -> None:
-    """The same records as the JSONL, one row each (an empty cell for a missing state size)."""
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows({k: ("" if r[k] is None else r[k]) for k in FIELDS} for r in records)
+    """The same records as the JSONL, one row each (an empty cell for a missing state size), atomically."""
+    buffer = io.StringIO(newline="")
+    writer = csv.DictWriter(buffer, fieldnames=FIELDS)
+    writer.writeheader()
+    writer.writerows({k: ("" if r[k] is None else r[k]) for k in FIELDS} for r in records)
+    atomic_write_text(path, buffer.getvalue())
 
 
 def write_plot(records: list[dict], path: Path) -> None:
@@ -308,8 +313,11 @@ def write_plot(records: list[dict], path: Path) -> None:
     r0 = records[0]
     fig.suptitle(f"MQAR recall, d_model {r0['d_model']}, seq_len {r0['seq_len']}, {r0['steps']} steps", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=120)
+    finally:
+        plt.close(fig)
 
 
 def format_table(records: list[dict]) -> str:

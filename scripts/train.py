@@ -296,20 +296,19 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1), file=sys.stderr)
 
     save_model = model.cast(torch_dtype(args.save_dtype))
-    save_checkpoint(save_model, out, overwrite=args.overwrite)
-    write_tokenizer_files(tok, out)
-    (out / "training_log.json").write_text(json.dumps({"summary": summary, "history": history}) + "\n")
+    log = {"training_log.json": json.dumps({"summary": summary, "history": history}) + "\n"}
+    # one write: the checkpoint, its tokenizer and the log appear together or not at all
+    save_checkpoint(save_model, out, overwrite=args.overwrite, files={**tokenizer_files(tok), **log})
     return 0
 
 
-def write_tokenizer_files(tok: Tokenizer, out: Path) -> None:
+def tokenizer_files(tok: Tokenizer) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json in the Hugging Face layout."""
-    tok.save(str(out / "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {**special, "add_bos_token": True, "add_eos_token": False, "model_max_length": 1_000_000,
-         "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    config = {**special, "add_bos_token": True, "add_eos_token": False, "model_max_length": 1_000_000,
+              "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
+    return {"tokenizer.json": tok.to_str(pretty=True), "tokenizer_config.json": json.dumps(config, indent=2) + "\n",
+            "special_tokens_map.json": json.dumps(special, indent=2) + "\n"}
 
 
 if __name__ == "__main__":

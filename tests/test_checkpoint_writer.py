@@ -45,19 +45,28 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], capture_output=True, text=True, cwd=ROOT)
 
 
-@pytest.mark.parametrize("where", ["same", "symlink", "inside", "around"])
+WHERE = {  # destination, through a symlink or not -> the refusal
+    "same": "is the source", "inside": "lies inside the source", "around": "contains the source",
+    "symlink-same": "is the source", "symlink-inside": "lies inside the source",
+    "symlink-around": "contains the source",
+}
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_the_source_is_never_the_destination(source, tmp_path, where):
     before = snapshot(source)
-    if where == "symlink":
-        (tmp_path / "link").symlink_to(source)
-    dst = {"same": source, "symlink": tmp_path / "link", "inside": source / "quantized", "around": tmp_path}[where]
-    message = {"same": "is the source", "symlink": "is the source", "inside": "lies inside the source",
-               "around": "contains the source"}[where]
-    with pytest.raises(WriteError, match=message):
+    (tmp_path / "to-source").symlink_to(source)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "to-parent").symlink_to(tmp_path)
+    dst = {"same": source, "inside": source / "quantized", "around": tmp_path,
+           "symlink-same": tmp_path / "to-source", "symlink-inside": tmp_path / "to-source" / "quantized",
+           "symlink-around": tmp_path / "elsewhere" / "to-parent"}[where]
+    with pytest.raises(WriteError, match=WHERE[where]):
         hybrid.save_checkpoint(hybrid.load_model(source), dst, source=source, overwrite=True)
     r = cli("quantize", str(source), str(dst), "--format", "fp8", "--overwrite")
-    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert r.returncode == 2 and WHERE[where] in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert snapshot(source) == before and not (source / "quantized").exists()
+    assert hidden(tmp_path) == [] and hidden(source) == []
 
 
 def test_a_non_empty_destination_needs_overwrite(source, tmp_path):
@@ -88,6 +97,54 @@ def test_an_interrupted_write_leaves_the_destination_as_it_was(source, tmp_path)
                 if len(list(writer.tmp.glob("shard-*"))) >= 2:
                     raise KeyboardInterrupt  # after its first shards are on disk
     assert snapshot(dst) == before and hidden(tmp_path) == []
+
+
+class ShardWriteFails(OSError):
+    pass
+
+
+def fail_on_second_shard(monkeypatch):
+    """The shard writer writes the first shard, then fails (a full disk) on the second."""
+    from hybrid import checkpoint_writer
+
+    real, calls = checkpoint_writer.save_file, []
+
+    def save_file(tensors, path, *args, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise ShardWriteFails(28, "No space left on device")
+        return real(tensors, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_writer, "save_file", save_file)
+    return calls
+
+
+@pytest.mark.parametrize("writer", ["save_checkpoint", "quantize_checkpoint", "cli"])
+@pytest.mark.parametrize("existing", [True, False])
+def test_a_writer_failing_after_its_first_shard_leaves_the_destination_as_it_was(
+        source, tmp_path, monkeypatch, capsys, writer, existing):
+    from hybrid.cli import main
+    from hybrid.quantize import quantize_checkpoint
+
+    dst = tmp_path / "dst"
+    if existing:
+        hybrid.save_checkpoint(hybrid.load_model(write_checkpoint(tmp_path / "old", "ME*E", seed=3)), dst)
+    before = snapshot(dst) if existing else None
+    calls = fail_on_second_shard(monkeypatch)
+    if writer == "cli":  # a clear error, no traceback
+        assert main(["quantize", str(source), str(dst), "--format", "fp8", "--calibration-samples", "0",
+                     "--max-shard-bytes", "4096", "--overwrite"]) == 1
+        assert "error: writing" in capsys.readouterr().err
+    else:
+        with pytest.raises(ShardWriteFails):
+            if writer == "save_checkpoint":
+                hybrid.save_checkpoint(hybrid.load_model(source), dst, max_shard_bytes=4096, source=source,
+                                       overwrite=True)
+            else:
+                quantize_checkpoint(source, dst, "fp8", max_shard_bytes=4096, overwrite=True)
+    assert len(calls) == 2  # the first shard was on disk when the second failed
+    assert (snapshot(dst) if dst.exists() else None) == before
+    assert hidden(tmp_path) == []  # no temporary directory behind
 
 
 def test_modes_follow_the_umask(source, tmp_path):

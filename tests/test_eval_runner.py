@@ -198,3 +198,23 @@ def test_plan_and_option_errors():
         "kv_recall": {"n_queries": 8}, "ruler_vt": {"icl": False}, "niah_single_1": {"haystack": "needle"}}
     with pytest.raises(ValueError, match="TASK.KEY=VALUE"):
         parse_options(["n_queries=8"])
+
+
+def test_cutting_a_torn_tail_keeps_the_records_even_if_it_fails(tmp_path, monkeypatch):
+    """records.jsonl stays append-only: a torn last line is cut in place (truncated), never by rewriting the
+    file, so a failure while cutting (a full disk) cannot lose the records before it."""
+    from pathlib import Path
+
+    path = tmp_path / "records.jsonl"
+    good = "".join(json.dumps({"model": "m", "i": i}) + "\n" for i in range(3))
+    path.write_text(good + '{"model": "m", "i"')
+
+    def failing_write_bytes(self, data):  # opens (and so empties) the file, then the disk is full
+        self.open("wb").close()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", failing_write_bytes)
+    runner._drop_torn_tail(path)
+    assert path.read_text() == good
+    runner._drop_torn_tail(path)  # nothing to cut
+    assert path.read_text() == good and runner.read_records(path) == [{"model": "m", "i": i} for i in range(3)]

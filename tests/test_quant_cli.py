@@ -75,3 +75,70 @@ def test_info_plans_nano_nvfp4():
     mamba = 17 * (nvfp4(*in_proj) + nvfp4(H, 4096))  # 23 Mamba layers less the 6 feeding attention
     assert info["bytes_by_format"]["NVFP4"] == experts + shared + mamba
     assert info["parameters"] == 31_577_940_288  # logical parameter count unchanged
+
+
+def test_quantizing_every_linear_keeps_a_tied_head_unquantized(tmp_path):
+    """`--exclude` alone on a tied model: the head stays the embedding matrix (noted and recorded), and the
+    result loads and computes what quantizing with lm_head excluded computes."""
+    from hybrid.quantize import quantize_model
+
+    src = write_checkpoint(tmp_path / "tied", "M*E-", seed=1, tie_word_embeddings=True)
+    r = run("quantize", str(src), str(tmp_path / "fp8"), "--format", "fp8", "--exclude", "--calibration-samples", "0")
+    assert r.returncode == 0, r.stderr
+    assert "note:" in r.stderr and "lm_head" in r.stderr and "tied" in r.stderr
+    hq = json.loads((tmp_path / "fp8" / "hf_quant_config.json").read_text())["quantization"]
+    assert hq["exclude_modules"] == ["lm_head"]
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
+    assert "`lm_head`" in (tmp_path / "fp8" / "README.md").read_text()
+    model, _ = hybrid.load(tmp_path / "fp8", progress=False)
+    assert type(model.lm_head).__name__ != "QuantLinear"
+    assert type(model.backbone.layers[1].mixer.q_proj).__name__ == "QuantLinear"  # every other Linear quantized
+    expected = quantize_model(hybrid.load_model(src, prepack=False), "fp8", exclude=["lm_head"])
+    ids = torch.tensor([[5, 17, 33, 2, 9, 41]])
+    with torch.no_grad():
+        assert torch.equal(model(ids), expected(ids))
+    in_memory = quantize_model(hybrid.load_model(src, prepack=False), "fp8", exclude=[])  # the same in memory
+    assert in_memory.quantization.exclude == ["lm_head"]
+    with torch.no_grad():
+        assert torch.equal(in_memory(ids), expected(ids))
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc", "unwritable"])
+def test_an_output_that_cannot_be_created_is_refused_before_any_work(src, tmp_path, monkeypatch, capsys, where):
+    import os
+
+    from hybrid import calibration, quantize
+    from hybrid.checkpoint_writer import WriteError
+    from hybrid.cli import main
+
+    if where == "unwritable" and os.geteuid() == 0:
+        pytest.skip("root writes into a read-only directory")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "ro").mkdir(mode=0o555)
+    dst = {"under-a-file": tmp_path / "file" / "out", "proc": Path("/proc/nope/x"),
+           "unwritable": tmp_path / "ro" / "out"}[where]
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the destination was checked")
+
+    monkeypatch.setattr(calibration, "calibration_batches", no_work)  # the CLI's first work: calibration text
+    monkeypatch.setattr(quantize, "calibrate_streamed", no_work)
+    monkeypatch.setattr(quantize, "CheckpointFiles", no_work)
+    assert main(["quantize", str(src), str(dst), "--format", "nvfp4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and str(dst) in err and "Traceback" not in err, err
+    with pytest.raises(WriteError, match="cannot be created"):
+        quantize.quantize_checkpoint(src, dst, "fp8", calibration=[torch.tensor([[5, 6, 7]])])
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_info_names_the_formats_of_a_quantized_checkpoint(src, tmp_path):
+    r = run("quantize", str(src), str(tmp_path / "fp8"), "--format", "fp8", "--calibration-samples", "0")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(run("info", str(tmp_path / "fp8"), "--json").stdout)
+    assert info["dtype"] == "float32" and info["storage"] == "FP8 + float32 rest"
+    text = run("info", str(tmp_path / "fp8")).stdout
+    assert "GiB, FP8 + float32 rest)" in text and "GiB, float32)" not in text
+    assert "GiB, float32)" in run("info", str(src)).stdout  # an unquantized checkpoint: its dtype
+    assert json.loads(run("info", str(src), "--format", "nvfp4", "--dtype", "bf16", "--json").stdout)["storage"] == \
+        "NVFP4 + bfloat16 rest"

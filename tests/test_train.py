@@ -58,3 +58,26 @@ def test_training_log(trained):
     assert log["summary"]["steps"] == 4 and len(log["history"]) == 4
     assert all(r["loss"] > 0 and r["max_over_mean_load"] >= 1 for r in log["history"])
     assert "val_loss" in log["history"][1]
+
+
+def test_a_failed_save_leaves_no_half_written_output(tmp_path, monkeypatch):
+    """The checkpoint, tokenizer files and training log are one write: if the last of them fails, --out is left
+    as it was (absent here), not a checkpoint without its log or tokenizer."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", ROOT / "scripts" / "train.py")
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    real = Path.write_text
+
+    def write_text(self, data, *args, **kwargs):
+        if self.name == "training_log.json":
+            raise OSError(28, "No space left on device")
+        return real(self, data, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    out = tmp_path / "out"
+    with pytest.raises(OSError, match="No space left"):
+        train.main(["--out", str(out), "--preset", "smoke", "--steps", "1", "--seq-len", "64", "--batch-size", "2",
+                    "--eval-every", "100", "--eval-samples", "1", "--save-dtype", "float32"])
+    assert not out.exists() and list(tmp_path.iterdir()) == []

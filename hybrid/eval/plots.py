@@ -5,6 +5,8 @@
   score on a fixed 0..1 red-yellow-green scale, the value written in each cell; one panel per model.
 - `accuracy_vs_length.png`: one panel per task, mean score vs context length (log2 axis), one line per
   model, RULER's 85.6% threshold dashed.
+
+Each PNG is written atomically (`hybrid.atomic`): a failed write leaves the previous plot.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from hybrid.atomic import atomic_path
 from hybrid.eval.results import depth_grid, lengths_of, mean_scores, models_of, tasks_of
 from hybrid.eval.scoring import EFFECTIVE_LENGTH_THRESHOLD
 
@@ -69,8 +72,7 @@ def write_heatmaps(records: list[dict], out_dir: str | Path) -> list[Path]:
             image = draw_heatmap(ax, depths, lengths, grid, f"{task}: {model}")
         fig.colorbar(image, ax=list(axes[0]), label="score", fraction=0.05)
         path = out_dir / f"heatmap_{task}.png"
-        fig.savefig(path, dpi=120, bbox_inches="tight")
-        plt.close(fig)
+        _save(plt, fig, path)
         paths.append(path)
     return paths
 
@@ -107,6 +109,14 @@ def write_length_plot(records: list[dict], out_dir: str | Path,
     if handles:
         fig.legend(handles, labels, loc="lower center", ncol=max(1, len(models)), bbox_to_anchor=(0.5, 1.0))
     path = out_dir / "accuracy_vs_length.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    _save(plt, fig, path)
     return path
+
+
+def _save(plt, fig, path: Path) -> None:
+    """Write `fig` to `path` as a PNG, atomically; the figure is closed either way."""
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    finally:
+        plt.close(fig)

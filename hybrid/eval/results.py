@@ -5,15 +5,28 @@
 - `summary.csv` / `summary.md`: rows (task, model), columns context lengths with the mean score in percent
   (RULER's scale), the average over lengths, and the effective length (`scoring.effective_length`). With
   several models, the markdown table adds per task a row of differences of each later model minus the first.
+
+Each file is written atomically (`hybrid.atomic`): a failed write leaves the previous table.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 from collections import defaultdict
 from pathlib import Path
 
+from hybrid.atomic import atomic_write_text
 from hybrid.eval.scoring import EFFECTIVE_LENGTH_THRESHOLD, effective_length
+
+
+def write_csv(path: Path, rows: list[list]) -> None:
+    """Write `rows` (the header first) as a CSV file, atomically."""
+    buffer = io.StringIO(newline="")
+    w = csv.writer(buffer)
+    for row in rows:
+        w.writerow(row)
+    atomic_write_text(path, buffer.getvalue())
 
 
 def _ordered(values) -> list:
@@ -63,16 +76,15 @@ def write_task_pivots(records: list[dict], out_dir: str | Path) -> list[Path]:
     for task in tasks_of(records):
         rows = [r for r in records if r["task"] == task]
         lengths = lengths_of(rows)
+        table = [["model", "depth_percent"] + lengths]
+        for model in models_of(rows):
+            depths = sorted({float(r["depth_percent"]) for r in rows
+                             if r["model"] == model and r.get("depth_percent") is not None})
+            for d in depths:
+                table.append([model, d] + [_fmt(by_depth.get((model, task, n, d))) for n in lengths])
+            table.append([model, "all"] + [_fmt(by_length.get((model, task, n))) for n in lengths])
         path = out_dir / f"{task}.csv"
-        with path.open("w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["model", "depth_percent"] + lengths)
-            for model in models_of(rows):
-                depths = sorted({float(r["depth_percent"]) for r in rows
-                                 if r["model"] == model and r.get("depth_percent") is not None})
-                for d in depths:
-                    w.writerow([model, d] + [_fmt(by_depth.get((model, task, n, d))) for n in lengths])
-                w.writerow([model, "all"] + [_fmt(by_length.get((model, task, n))) for n in lengths])
+        write_csv(path, table)
         paths.append(path)
     return paths
 
@@ -104,15 +116,12 @@ def write_summary(records: list[dict], out_dir: str | Path,
     rows = summary_rows(records, threshold)
     lengths = lengths_of(records)
     csv_path = out_dir / "summary.csv"
-    with csv_path.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["task", "model"] + lengths + ["average", "effective_length"])
-        for row in rows:
-            w.writerow([row["task"], row["model"]] + [_fmt(row["percent"].get(n), 2) for n in lengths]
-                       + [f"{row['average']:.2f}", row["effective_length"] or ""])
+    write_csv(csv_path, [["task", "model"] + lengths + ["average", "effective_length"]]
+              + [[row["task"], row["model"]] + [_fmt(row["percent"].get(n), 2) for n in lengths]
+                 + [f"{row['average']:.2f}", row["effective_length"] or ""] for row in rows])
     text = markdown_summary(rows, lengths, threshold)
     md_path = out_dir / "summary.md"
-    md_path.write_text(text)
+    atomic_write_text(md_path, text)
     return csv_path, md_path, text
 
 

@@ -11,12 +11,15 @@ Record fields: model, task, context_length (the requested prompt length in token
 (None for random positions), seed, prompt_tokens (actual), prediction (text; a list of values for
 teacher-forced tasks), references, score (0..1, `hybrid.eval.scoring`), metric, needle_depths,
 new_tokens, finish_reason, plus any `extra` fields (checkpoint, dtype). A record's identity is
-(model, task, context_length, depth_percent, seed): records already in the file are skipped.
+(model, task, context_length, depth_percent, seed): records already in the file are skipped. The file is
+append-only (never rewritten, so a resume never loses records): a torn last line of an interrupted run is
+warned about when read and truncated away in place before the next append.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -126,12 +129,13 @@ def read_records(path: str | Path) -> list[dict]:
 
 
 def _drop_torn_tail(path: Path) -> None:
-    """Cut a last line without its newline (a write interrupted mid-record) so appends start clean."""
+    """Cut a last line without its newline (a write interrupted mid-record) so appends start clean. The file
+    is truncated in place, never rewritten, so the records before the torn line cannot be lost."""
     if not path.exists() or path.stat().st_size == 0:
         return
     data = path.read_bytes()
     if not data.endswith(b"\n"):
-        path.write_bytes(data[:data.rfind(b"\n") + 1])
+        os.truncate(path, data.rfind(b"\n") + 1)
 
 
 def make_sample(job: Job, tokenizer, options: dict | None = None) -> Sample:
