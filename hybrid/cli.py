@@ -249,6 +249,13 @@ def _top_k(text: str) -> int:
     return value
 
 
+def _seed(text: str) -> int:
+    value = _parse(int, text)
+    if not -2**63 <= value < 2**64:  # what torch's generator takes
+        raise argparse.ArgumentTypeError(f"must be an integer in [-2**63, 2**64), got {text}")
+    return value
+
+
 def _top_p(text: str) -> float:
     value = _parse(float, text)
     if not 0 < value <= 1:  # also refuses nan
@@ -282,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (or below 1e-05) = greedy (the default)")
     g.add_argument("--top-k", type=_top_k, default=None, help="sample from the k most likely tokens (0 or -1: no limit)")
     g.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set with probability >= p")
-    g.add_argument("--seed", type=int, default=None, help="seed of the sampler")
+    g.add_argument("--seed", type=_seed, default=None, help="seed of the sampler")
     g.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
     g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--act-quant", action="store_true",

@@ -151,6 +151,7 @@ def run_bytes(*args, stdin: bytes):
     ("--top-p", "nan", "argument --top-p: must be in (0, 1], got nan"),
     ("--top-p", "0", "argument --top-p: must be in (0, 1], got 0"),
     ("--top-k", "-2", "argument --top-k: must be a positive integer, or 0 or -1 for no limit, got -2"),
+    ("--seed", str(2**64), f"argument --seed: must be an integer in [-2**63, 2**64), got {2**64}"),
 ])
 def test_degenerate_sampling_options_are_usage_errors(ckpt, option, value, message):
     r = run("generate", str(ckpt), "--prompt", "hi", option, value)

@@ -206,7 +206,8 @@ def test_cutting_a_torn_tail_keeps_the_records_even_if_it_fails(tmp_path, monkey
     from pathlib import Path
 
     path = tmp_path / "records.jsonl"
-    good = "".join(json.dumps({"model": "m", "i": i}) + "\n" for i in range(3))
+    rows = [{"model": "m", "task": "t", "context_length": 8, "depth_percent": None, "seed": i} for i in range(3)]
+    good = "".join(json.dumps(r) + "\n" for r in rows)
     path.write_text(good + '{"model": "m", "i"')
 
     def failing_write_bytes(self, data):  # opens (and so empties) the file, then the disk is full
@@ -217,4 +218,15 @@ def test_cutting_a_torn_tail_keeps_the_records_even_if_it_fails(tmp_path, monkey
     runner._drop_torn_tail(path)
     assert path.read_text() == good
     runner._drop_torn_tail(path)  # nothing to cut
-    assert path.read_text() == good and runner.read_records(path) == [{"model": "m", "i": i} for i in range(3)]
+    assert path.read_text() == good and runner.read_records(path) == rows
+
+
+@pytest.mark.parametrize("line", ['[1, 2]', '{"model": "m"}', '{"model": "m", "task": "t", "context_length": "x", '
+                                  '"seed": 0}', "[" * 100000 + "]" * 100000, "1" * 5000])
+def test_a_line_that_is_not_a_record_is_named(tmp_path, line):
+    """A results file edited by hand or by another tool: a clear error naming the line, never a KeyError,
+    TypeError or RecursionError from inside."""
+    path = tmp_path / "records.jsonl"
+    path.write_text(line + "\n" + json.dumps({"model": "m", "task": "t", "context_length": 8, "seed": 0}) + "\n")
+    with pytest.raises(ValueError, match=f"{path}: line 1 is not"):
+        runner.read_records(path)

@@ -109,22 +109,35 @@ def record_key(record: dict) -> tuple:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """Records of a JSONL file ([] if it does not exist); a torn last line (an interrupted run) is skipped."""
+    """Records of a JSONL file ([] if it does not exist); a torn last line (an interrupted run) is skipped.
+
+    Raises:
+        ValueError: a line before the last is not JSON, or a line is not a record (an object whose model,
+            task, context_length, depth_percent and seed make a `record_key`); the message names the line.
+    """
     path = Path(path)
     if not path.exists():
         return []
     records = []
-    lines = path.read_text().splitlines()
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):  # not JSON, nested too deeply, an integer too long
             if i == len(lines) - 1:
                 warnings.warn(f"{path}: skipping a truncated last line (interrupted run)", stacklevel=2)
-            else:
-                raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+                continue
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON") from None
+        try:
+            if not isinstance(record, dict):
+                raise TypeError
+            record_key(record)
+        except (TypeError, KeyError, ValueError, OverflowError):
+            raise ValueError(f"{path}: line {i + 1} is not a result record (an object with model, task, "
+                             "context_length, depth_percent and seed)") from None
+        records.append(record)
     return records
 
 
