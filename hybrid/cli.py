@@ -151,7 +151,15 @@ def _info(args) -> int:
         from hybrid.quantization import read_quant_config
 
         quant = read_quant_config(config_path.parent, config)
-    report = describe(config, parse_dtype(args.dtype, config), quant)
+    dtype = parse_dtype(args.dtype, config)
+    report = describe(config, dtype, quant)
+    capacity = None
+    if args.memory is not None:
+        from hybrid.serving.capacity import plan as plan_capacity
+
+        capacity = plan_capacity(config, dtype, args.memory, quant, max_model_len=args.max_model_len,
+                                 max_num_seqs=args.max_num_seqs, block_size=args.block_size)
+        report["capacity"] = capacity.to_dict()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -171,7 +179,26 @@ def _info(args) -> int:
           f"({report['mamba_state_bytes_per_sequence'] / 2**20:.1f} MiB, constant in length)")
     if report["mtp"]:
         print(f"MTP            layers {report['mtp']['layers']!r}, {report['mtp']['parameters']:,} parameters")
+    if capacity is not None:
+        _print_capacity(capacity)
     return 0
+
+
+def _print_capacity(c) -> None:
+    gib = 2**30
+    print(f"memory         {c.budget_bytes / gib:.2f} GiB budget: weights {c.weight_bytes / gib:.2f} GiB, reserve "
+          f"{c.reserve_bytes / gib:.2f} GiB (activations, runtime), {max(c.free_bytes, 0) / gib:.2f} GiB for the pools")
+    if not c.fits:
+        need = c.weight_bytes + c.reserve_bytes + c.bytes_per_full_sequence
+        print(f"               does not fit: the weights, the reserve and one sequence of {c.max_model_len:,} tokens "
+              f"need {need / gib:.2f} GiB (try a packed --format, a smaller --max-model-len or more --memory)")
+        return
+    same = "" if c.state_equals_kv_tokens == float("inf") else \
+        f"; one state weighs as much as {c.state_equals_kv_tokens:,.0f} tokens of KV"
+    print(f"per sequence   a state slot of {c.state_bytes_per_sequence / 2**20:.1f} MiB and KV blocks of {c.block_size} "
+          f"tokens ({c.kv_bytes_per_token * c.block_size:,} bytes each){same}")
+    print("concurrency    " + ", ".join(f"{n:,} at {length:,} tokens ({c.bound_at(length)})"
+                                        for length, n in c.concurrency.items()))
 
 
 def _quantize(args) -> int:
@@ -249,6 +276,15 @@ def _top_k(text: str) -> int:
     return value
 
 
+def _memory(text: str) -> int:
+    from hybrid.serving.capacity import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _seed(text: str) -> int:
     value = _parse(int, text)
     if not -2**63 <= value < 2**64:  # what torch's generator takes
@@ -310,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", choices=dtypes, default=None, help="default: the config's dtype")
     i.add_argument("--format", choices=formats, default=None,
                    help="report the sizes after `hybrid quantize --format F` with the default exclusions")
+    i.add_argument("--memory", type=_memory, default=None, metavar="SIZE",
+                   help="a memory budget (32GB, 24GiB): print the state slots and KV blocks it holds and the "
+                        "concurrent sequences per length")
+    i.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="with --memory: the longest sequence a slot must reach (default: the config's)")
+    i.add_argument("--max-num-seqs", type=_positive_int, default=256, help="with --memory: at most this many slots")
+    i.add_argument("--block-size", type=_positive_int, default=16, help="with --memory: tokens per KV block")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=_info)
 
