@@ -5,9 +5,42 @@ Padding is masked everywhere (see `hybrid.cache`), so each row of the batch beha
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+INT64 = (-2**63, 2**63)
+
+
+def check_prompts(prompts, vocab_size: int) -> None:
+    """Refuse what cannot become a batch of token ids: the entry check of `generate_ids` (the model's forward
+    checks the range of ids in tensors, `HybridForCausalLM._check_ids`; here only ints too large for int64
+    are refused for their value, named the same way).
+
+    Raises:
+        ValueError: `prompts` not a non-empty list / tuple of lists / tuples, an empty prompt, or an id that is
+            not a Python int (a bool, a float, a string: named by row and position, with the vocabulary).
+    """
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token id lists, got {prompts!r:.80}")
+    for row, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompts[{row}] must be a list of token ids, got {prompt!r:.80}")
+        if not prompt:
+            raise ValueError(f"prompts[{row}] is empty: each prompt must be a non-empty list of token ids")
+        for pos, t in enumerate(prompt):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                raise ValueError(f"prompts[{row}][{pos}] must be a Python int token id in [0, {vocab_size}) "
+                                 f"(config.vocab_size), got {t!r:.80}")
+            if not INT64[0] <= t < INT64[1]:
+                raise ValueError(outside_vocabulary(int(t), f"prompts[{row}][{pos}]", vocab_size))
+
+
+def outside_vocabulary(token: int, where: str, vocab_size: int) -> str:
+    """The message for a token id the embedding cannot look up (one wording for every entry)."""
+    return (f"token id {token} ({where}) is outside the model's vocabulary: ids must lie in [0, {vocab_size}) "
+            "(config.vocab_size)")
 
 
 @dataclass

@@ -31,6 +31,11 @@ from hybrid.config import ATTENTION, MAMBA, HybridConfig
 from hybrid.dtypes import torch_dtype
 
 
+# New tokens a generation reserves KV for up front; past them the cache grows geometrically (`KVCache.reserve`),
+# so a max_new_tokens far past memory (10**12) costs nothing until that many tokens are really generated.
+RESERVE_AHEAD = 4096
+
+
 @dataclass
 class StepContext:
     """What the layers of one forward need to know about the tokens they see.

@@ -3,6 +3,8 @@ numbers, code, a few languages), cut into token windows. Deterministic; nothing 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 TEXTS = [
@@ -32,6 +34,30 @@ TEXTS = [
     "The pass key is 48213. Remember it. 48213 is the pass key. The grass is green. The sky is blue. The sun is "
     "yellow. Here we go. There and back again.",
 ]
+
+
+def read_calibration_file(path: str | Path) -> str:
+    """The text of a calibration file (`hybrid quantize --calibration-file`), checked before any work.
+
+    Raises:
+        ValueError: the file is missing, a directory, unreadable, not UTF-8 text, or empty (only
+            whitespace); the message names the file and what was expected.
+    """
+    where = f"--calibration-file {path}"
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{where}: no such file (expected a UTF-8 text file)")
+    if p.is_dir():
+        raise ValueError(f"{where}: is a directory (expected a UTF-8 text file)")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ValueError(f"{where}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    if not text.strip():
+        raise ValueError(f"{where}: the file is empty (expected text to calibrate on)")
+    return text
 
 
 def calibration_batches(tokenizer, n_samples: int, length: int, texts: list[str] | None = None) -> list[torch.Tensor]:

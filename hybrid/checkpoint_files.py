@@ -218,7 +218,9 @@ def _read_index(path: Path) -> dict[str, str]:
 
 
 class CheckpointFiles:
-    """Every tensor of a checkpoint directory, by name, across its shards.
+    """Every tensor of a checkpoint directory, by name, across its shards. A directory holding both
+    `model.safetensors` and `model.safetensors.index.json` is read from the single file, as transformers reads
+    it, with a warning naming both.
 
     Raises:
         CheckpointError: no safetensors weights (pickled files are refused), an unreadable index (see
@@ -229,7 +231,10 @@ class CheckpointFiles:
     def __init__(self, directory: Path):
         self.directory = directory
         index_path = directory / INDEX_NAME
-        if index_path.exists():
+        if index_path.exists() and (directory / SINGLE_NAME).exists():  # transformers loads the single file
+            warnings.warn(f"{directory}: holds both {SINGLE_NAME} and {INDEX_NAME}; loading {SINGLE_NAME} "
+                          f"(as transformers does) and ignoring {INDEX_NAME}", stacklevel=2)
+        if index_path.exists() and not (directory / SINGLE_NAME).exists():
             weight_map = _read_index(index_path)
             shard_names = sorted(set(weight_map.values()))
             missing = [s for s in shard_names if not (directory / s).is_file()]

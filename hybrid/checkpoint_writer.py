@@ -3,7 +3,8 @@
 Rules, each tested (tests/test_checkpoint_writer.py, tests/test_writes.py):
 - The destination is never the source, inside it, or around it (paths resolved, symlinks followed).
 - A destination that exists and is not empty is refused unless `overwrite`; one that cannot be created (under
-  a file, in a read-only directory) is refused before anything else is done.
+  a file, in a read-only directory) is refused before anything else is done. Parent directories are created
+  as needed; a check or a failed write removes those it created itself (and only those).
 - Everything is written into a temporary directory beside the destination and renamed into place at the
   end, so an interrupted or failed write leaves the old destination as it was and no partial file under a
   final name. With `overwrite`, the old destination is moved aside first and deleted only after the rename,
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from hybrid.atomic import umask
@@ -58,7 +60,8 @@ class WriteReport:
 
 def check_destination(destination: Path, source: Path | None, overwrite: bool) -> None:
     """Check that `destination` may be written (see the module docstring): its parent directory is created
-    and a temporary directory made (and removed) in it, so a path that cannot be written fails here.
+    and a temporary directory made in it, then both removed again (only the directories created here), so a
+    path that cannot be written fails here and a check leaves nothing behind.
 
     Raises:
         WriteError: the destination is the source, inside or around it, exists and is not empty (without
@@ -78,11 +81,14 @@ def check_destination(destination: Path, source: Path | None, overwrite: bool) -
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
         raise WriteError(f"{destination} exists and is not empty: choose another directory, or overwrite it "
                          "(--overwrite; overwrite=True)")
-    _temp_dir(destination).rmdir()
+    tmp, created = _temp_dir(destination)
+    tmp.rmdir()
+    _remove_created(created)  # a check leaves nothing behind: the writer creates them again
 
 
-def _temp_dir(destination: Path) -> Path:
-    """A new temporary directory beside `destination` (its parent created first).
+def _temp_dir(destination: Path) -> tuple[Path, list[Path]]:
+    """A new temporary directory beside `destination` (its parent created first), and the parent directories
+    that were created for it (deepest first), so that a failed write can remove them again.
 
     Raises:
         WriteError: the parent cannot be created or written (the message names the path in the way).
@@ -91,14 +97,26 @@ def _temp_dir(destination: Path) -> Path:
     blocking = next((p for p in reversed(dst.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise WriteError(f"{destination} cannot be created: {blocking} is a file, not a directory")
+    created = [p for p in dst.parents if not p.exists()]  # deepest first
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        _remove_created(created)
         raise WriteError(f"{destination} cannot be created: {e.strerror or e} ({e.filename})") from None
     try:
-        return Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent))
+        return Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".partial", dir=dst.parent)), created
     except OSError as e:
+        _remove_created(created)
         raise WriteError(f"{destination} cannot be created: {e.strerror or e} in {dst.parent}") from None
+
+
+def _remove_created(created: list[Path]) -> None:
+    """Remove the directories a write created itself (deepest first), as long as they are empty."""
+    for d in created:
+        try:
+            d.rmdir()
+        except OSError:  # not empty (something else wrote there meanwhile) or gone: keep the rest
+            return
 
 
 class CheckpointWriter:
@@ -116,6 +134,7 @@ class CheckpointWriter:
         WriteError: the destination is the source, inside it or around it, exists and is not empty
             (without `overwrite`), or cannot be created.
         ValueError: max_shard_bytes < 1.
+        OSError: (from `add` or the commit) writing failed, e.g. a full disk; the destination is as it was.
     """
 
     def __init__(self, destination: str | Path, source: str | Path | None = None, overwrite: bool = False,
@@ -127,7 +146,7 @@ class CheckpointWriter:
         check_destination(self.destination, self.source, overwrite)
         self.max_shard_bytes = max_shard_bytes
         self.overwrite = overwrite
-        self.tmp = _temp_dir(self.destination)
+        self.tmp, self._created = _temp_dir(self.destination)
         self.report = WriteReport(self.destination)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -140,6 +159,8 @@ class CheckpointWriter:
 
         Raises:
             ValueError: the name was added before.
+            OSError: writing a full shard failed (a full disk; safetensors' own error is converted to this,
+                naming the destination and the shard).
         """
         if name in self._names:
             raise ValueError(f"tensor {name!r} was added twice")
@@ -169,13 +190,22 @@ class CheckpointWriter:
     def _flush(self) -> None:
         if not self._pending and self._shards:
             return
-        save_file(self._pending, self.tmp / f"shard-{len(self._shards)}.safetensors", metadata={"format": "pt"})
+        name = f"shard-{len(self._shards)}.safetensors"
+        try:
+            save_file(self._pending, self.tmp / name, metadata={"format": "pt"})
+        except SafetensorError as e:  # a full disk, a lost mount: safetensors reports it as its own error
+            raise OSError(f"writing a weight shard of {self.destination} (in {self.tmp / name}) failed: {e}") from None
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 
     # ------------------------------------------------------------------------------------------ commit
     def commit(self) -> WriteReport:
-        """Write the last shard, the index, the copied files; rename the result into place."""
+        """Write the last shard, the index, the copied files; rename the result into place.
+
+        Raises:
+            OSError: a file could not be written or renamed (a full disk: the message names the destination);
+                the destination is left as it was.
+        """
         self._flush()
         n = len(self._shards)
         if self.max_shard_bytes is None:
@@ -221,8 +251,10 @@ class CheckpointWriter:
             shutil.rmtree(old)
 
     def abort(self) -> None:
-        """Discard everything written so far; the destination is untouched."""
+        """Discard everything written so far, and the parent directories this writer created; the
+        destination is untouched."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+        _remove_created(self._created)
 
     def __enter__(self) -> "CheckpointWriter":
         return self

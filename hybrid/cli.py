@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -48,6 +49,14 @@ def _generate(args) -> int:
     if args.speculative and args.prefix_cache:
         print("error: --speculative and --prefix-cache cannot be combined", file=sys.stderr)
         return 2
+    if args.prefix_cache:  # before any work: the file must be writable (it is rewritten at the end)
+        from hybrid.atomic import check_writable
+
+        try:
+            check_writable(args.prefix_cache)
+        except OSError as e:
+            print(f"error: --prefix-cache: {e}", file=sys.stderr)
+            return 2
     with warnings.catch_warnings(record=True) as notes:  # load-time notes (e.g. tokens past the vocabulary)
         warnings.simplefilter("always")
         model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant)
@@ -115,12 +124,11 @@ def _prompt_text(prompt: str) -> tuple[str, str | None]:
             return data.decode("utf-8").removesuffix("\n"), None
         except UnicodeDecodeError as e:
             return "", f"stdin is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} ({e.reason})"
-    try:
-        prompt.encode("utf-8")
-    except UnicodeEncodeError as e:
-        byte = ord(prompt[e.start]) - 0xDC00 if 0xDC80 <= ord(prompt[e.start]) <= 0xDCFF else None
-        what = f"byte 0x{byte:02x}" if byte is not None else f"character {prompt[e.start]!r}"
-        return "", f"--prompt is not valid UTF-8: {what} at character {e.start}"
+    from hybrid.generate import utf8_problem
+
+    problem = utf8_problem(prompt)
+    if problem:
+        return "", f"--prompt is not valid UTF-8: {problem}"
     return prompt, None
 
 
@@ -133,6 +141,13 @@ def _info(args) -> int:
         return 2
 
     path = Path(args.model).expanduser()
+    not_configs = ("model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json", "hf_quant_config.json")
+    if path.is_file() and (path.suffix != ".json" or path.name in not_configs):
+        what = "a safetensors weights file" if path.suffix == ".safetensors" else f"not a config ({path.name})"
+        print(f"error: {path} is {what}; `hybrid info` takes a checkpoint directory or a config.json",
+              file=sys.stderr)
+        return 2
     if path.is_file():
         config_path = path
     elif path.is_dir():
@@ -204,7 +219,9 @@ def _print_capacity(c) -> None:
 def _quantize(args) -> int:
     import torch
 
-    from hybrid.calibration import calibration_batches
+    from safetensors import SafetensorError
+
+    from hybrid.calibration import calibration_batches, read_calibration_file
     from hybrid.checkpoint_files import resolve_checkpoint
     from hybrid.checkpoint_writer import check_destination
     from hybrid.quantize import has_static_inputs, quantize_checkpoint
@@ -213,16 +230,17 @@ def _quantize(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     src, dst = resolve_checkpoint(args.src), Path(args.dst)
-    check_destination(dst, src, args.overwrite)  # before any work: where it goes, and that it can be created
+    # before any work: the calibration text, where it goes, and that it can be created
+    texts = [read_calibration_file(args.calibration_file)] if args.calibration_file else None
+    check_destination(dst, src, args.overwrite)
     batches = None
     if has_static_inputs(args.format) and args.calibration_samples:
-        texts = [Path(args.calibration_file).read_text()] if args.calibration_file else None
         batches = calibration_batches(Tokenizer.from_dir(src), args.calibration_samples, args.calibration_length, texts)
     try:
         report = quantize_checkpoint(src, dst, args.format, exclude=args.exclude, calibration=batches,
                                      dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
                                      overwrite=args.overwrite, progress=True)
-    except OSError as e:  # a full disk, a lost mount: nothing was changed
+    except (OSError, SafetensorError) as e:  # a full disk, a lost mount: nothing was changed
         print(f"error: writing {dst} failed ({e}); {dst} was left as it was", file=sys.stderr)
         return 1
     print(f"wrote {dst} ({args.format}, {len(report.shards)} shard(s), {report.weight_bytes / 2**30:.2f} GiB of "
@@ -252,6 +270,15 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _threads(text: str) -> int:
+    """torch CPU threads: 1 to 4 x os.cpu_count() (torch crashes, exit 139, on 100000)."""
+    value = _positive_int(text)
+    bound = 4 * (os.cpu_count() or 1)
+    if value > bound:
+        raise argparse.ArgumentTypeError(f"must be at most {bound} (4 x os.cpu_count()), got {text}")
     return value
 
 
@@ -327,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set with probability >= p")
     g.add_argument("--seed", type=_seed, default=None, help="seed of the sampler")
     g.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
-    g.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")
     g.add_argument("--speculative", type=_non_negative_int, default=0, metavar="N",
@@ -364,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="modules to keep unquantized (fnmatch wildcards over module names); replaces the default "
                         "list (lm_head, embeddings, attention, the Mamba layer feeding each attention layer, conv1d, "
                         "routers, MTP); `--exclude` alone quantizes every Linear")
-    q.add_argument("--calibration-samples", type=int, default=16,
+    q.add_argument("--calibration-samples", type=_non_negative_int, default=16,
                    help="token windows for the static input scales (fp8, nvfp4; default: %(default)s); 0: scales of 1.0")
     q.add_argument("--calibration-length", type=_positive_int, default=256,
                    help="tokens per calibration window (default: %(default)s)")
@@ -374,21 +401,81 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-shard-bytes", type=_positive_int, default=512 * 2**20,
                    help="largest weight shard in bytes (default: %(default)s, 512 MiB)")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists and is not empty")
-    q.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    q.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
     q.set_defaults(func=_quantize)
     return parser
 
 
+class _OutputError(Exception):
+    """Writing to stdout failed (the `OSError` is the cause)."""
+
+
+class _GuardedStdout:
+    """sys.stdout whose write and flush failures surface as `_OutputError` (a closed pipe stays a
+    `BrokenPipeError`), so `main` can tell them from the command's own file errors."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _OutputError() from e
+
+    def flush(self):
+        try:
+            return self._stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise _OutputError() from e
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def _show_note(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
+def _silence_stdout(stream) -> None:
+    """Point stdout's descriptor at /dev/null, so the interpreter's last flush of `stream` cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the `hybrid` command; returns the exit status: 0, 1 (writing stdout failed: one `error:` line),
+    2 (a usage, config, checkpoint or value error: one `error:` line) or 141 (stdout was closed, as by
+    `| head`: quietly, like a command killed by SIGPIPE). Warnings print as one `note:` line each."""
     args = build_parser().parse_args(argv)
     from hybrid.checkpoint_files import CheckpointError
     from hybrid.config import ConfigError
 
+    real_stdout, shown = sys.stdout, warnings.showwarning
+    sys.stdout, warnings.showwarning = _GuardedStdout(real_stdout), _show_note
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()
+        return status
     except (ConfigError, CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        _silence_stdout(real_stdout)
+        return 141
+    except _OutputError as e:
+        _silence_stdout(real_stdout)
+        print(f"error: writing to stdout failed: {e.__cause__}", file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout, warnings.showwarning = real_stdout, shown
 
 
 if __name__ == "__main__":

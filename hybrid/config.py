@@ -62,6 +62,14 @@ class ConfigError(ValueError):
     """A config.json that cannot describe a valid model. The message names the field."""
 
 
+# Bounds on what a config may describe, checked arithmetically before anything is built (`check_sizes`). The
+# largest published models have < 10^13 parameters, < 1000 layers and < 2^16 experts per MoE layer; these
+# limits are generous, and keep a hostile config from exhausting memory or time while the model is built.
+MAX_LAYERS = 4096  # per layer pattern (main stack, MTP block)
+MAX_EXPERTS = 2**16  # `n_routed_experts`
+MAX_PARAMETERS = 10**14  # in all; also keeps every tensor's byte count far inside torch's int64
+
+
 # ----------------------------------------------------------------------------------------- field kinds
 # Every field is checked against one kind, declared once in `_KINDS`: what JSON value it must hold (in
 # words, for the message) and a test of the parsed value. bool is an int subclass in Python: `true` is no size.
@@ -348,9 +356,10 @@ class HybridConfig:
         """Check every field against its kind (`check_field`), then the relations between fields.
 
         Raises:
-            ConfigError: a field of the wrong type or range, an unknown layer character, or sizes that do not
-                fit together (heads not a multiple of groups, more experts per token than experts, ...); the
-                message names the field(s).
+            ConfigError: a field of the wrong type or range, an unknown layer character, sizes that do not
+                fit together (heads not a multiple of groups, more experts per token than experts, ...), or
+                sizes beyond the bounds of `check_sizes` (layers, experts, parameters); the message names the
+                field(s).
         """
 
         def need(ok: bool, message: str) -> None:
@@ -360,6 +369,7 @@ class HybridConfig:
         for f in dataclasses.fields(self):
             if f.name != "extra":
                 check_field(f.name, getattr(self, f.name))
+        self.check_sizes()
         for name, pattern in (("hybrid_override_pattern", self.hybrid_override_pattern), ("mtp_pattern", self.mtp_pattern)):
             for i, ch in enumerate(pattern):
                 need(ch in LAYER_CHARS, f"`{name}` has unknown layer character {ch!r} at position {i}; "
@@ -390,6 +400,61 @@ class HybridConfig:
                 need(self.moe_shared_expert_intermediate_size > 0, "`moe_shared_expert_intermediate_size` must be positive")
         if self.num_nextn_predict_layers:
             need(len(self.mtp_pattern) > 0, "`mtp_hybrid_override_pattern` is empty")
+
+    def parameter_terms(self) -> list[tuple[str, int]]:
+        """The parameters the config describes, by part: [(fields that multiply to it, count), ...], computed
+        from the fields alone, nothing built (the weight matrices exactly, a few small vectors approximately)."""
+        def named(*names: str) -> str:
+            return " * ".join(f"`{n}` ({getattr(self, n)})" for n in names)
+
+        H, V = self.hidden_size, self.vocab_size
+        d_inner, conv_dim, nh = self.d_inner, self.conv_dim, self.mamba_num_heads
+        latent = self.moe_latent_size or H
+        expert_in = "moe_latent_size" if self.moe_latent_size else "hidden_size"
+        heads = max(("num_attention_heads", "num_key_value_heads"), key=lambda n: getattr(self, n))
+        per_kind = {
+            MAMBA: (named("mamba_num_heads", "mamba_head_dim", "hidden_size") + " (Mamba-2 layers)",
+                    H * (d_inner + conv_dim + nh) + conv_dim * self.conv_kernel + 3 * nh + d_inner + d_inner * H + H),
+            ATTENTION: (named(heads, "head_dim", "hidden_size") + " (attention layers)",
+                        2 * H * self.num_attention_heads * self.head_dim + 2 * H * self.num_key_value_heads * self.head_dim + H),
+            MOE: (named("n_routed_experts", "moe_intermediate_size", expert_in) + " (MoE layers)",
+                  2 * self.n_routed_experts * self.moe_intermediate_size * latent + self.n_routed_experts * (H + 1)
+                  + 2 * H * self.moe_shared_expert_intermediate_size * self.n_shared_experts
+                  + (2 * H * latent if self.moe_latent_size else 0) + H),
+            MLP: (named("intermediate_size", "hidden_size") + " (MLP layers)", 2 * H * self.intermediate_size + H),
+        }
+        terms = [(named("vocab_size", "hidden_size") + " (embedding and LM head)", V * H * (1 if self.tie_word_embeddings else 2) + H)]
+        patterns = [self.hybrid_override_pattern] + ([self.mtp_pattern] if self.num_nextn_predict_layers else [])
+        for pattern in patterns:
+            for kind, (fields, count) in per_kind.items():
+                n = pattern.count(kind)
+                if n:
+                    terms.append((fields, n * count))
+        if self.num_nextn_predict_layers:
+            terms.append((named("hidden_size") + " (MTP projection)", 2 * H * H + 3 * H))
+        return terms
+
+    def check_sizes(self) -> None:
+        """Bound what the config describes, arithmetically, before anything is built: at most `MAX_LAYERS`
+        layers per pattern, `MAX_EXPERTS` routed experts and `MAX_PARAMETERS` parameters in all.
+
+        Raises:
+            ConfigError: a pattern of more than `MAX_LAYERS` layers, more than `MAX_EXPERTS` experts, or more
+                than `MAX_PARAMETERS` parameters; the message names the field(s), the value and the limit.
+        """
+        for name, pattern in (("hybrid_override_pattern", self.hybrid_override_pattern), ("mtp_pattern", self.mtp_pattern)):
+            if isinstance(pattern, str) and len(pattern) > MAX_LAYERS:
+                raise ConfigError(f"`{name}` describes {len(pattern):,} layers; at most {MAX_LAYERS:,} are supported")
+        kinds = set(self.hybrid_override_pattern) | (set(self.mtp_pattern) if self.num_nextn_predict_layers else set())
+        if MOE in kinds and self.n_routed_experts > MAX_EXPERTS:
+            raise ConfigError(f"`n_routed_experts` is {self.n_routed_experts:,}; at most {MAX_EXPERTS:,} "
+                              "experts per MoE layer are supported")
+        terms = self.parameter_terms()
+        total = sum(n for _, n in terms)
+        if total > MAX_PARAMETERS:
+            fields, largest = max(terms, key=lambda t: t[1])
+            raise ConfigError(f"the sizes describe {total:.3g} parameters, more than the limit of {MAX_PARAMETERS:.0e}; "
+                              f"the largest part is {fields}: {largest:.3g} parameters")
 
     # ----------------------------------------------------------------------------------------- derived
     @property

@@ -7,14 +7,17 @@ row. A left-padded row gives the same tokens as the prompt run alone (tests/test
 
 from __future__ import annotations
 
+import numbers
 import time
+import warnings
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from hybrid.batch import left_pad
+from hybrid.batch import check_prompts, left_pad
+from hybrid.cache import RESERVE_AHEAD
 from hybrid.model import HybridForCausalLM
-from hybrid.sampling import Completion, Sampling, SamplingParams, sample
+from hybrid.sampling import Completion, Sampling, SamplingParams, for_call, sample
 from hybrid.speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
@@ -24,6 +27,22 @@ if TYPE_CHECKING:
 # 512 -> 707-767 tok/s and 1.7 GB peak RSS; 2048 -> 630-667 tok/s and 2.1 GB (larger chunks only add
 # activation memory, the GEMMs are already efficient at 512 rows); 256 -> 674-686 tok/s.
 PREFILL_CHUNK_SIZE = 512
+
+
+
+class _PositionNote:
+    """One `UserWarning` per generation call when the sequence passes the config's max_position_embeddings
+    (vLLM refuses past max_model_len; without positional encoding a note is enough)."""
+
+    def __init__(self, limit: int | None):
+        self.limit, self.noted = limit, False
+
+    def check(self, positions: int) -> None:
+        if self.limit and not self.noted and positions > self.limit:
+            self.noted = True
+            warnings.warn(f"the sequence passes the model's max_position_embeddings ({self.limit}) at {positions} "
+                          "positions; generating on (no positional encoding limits it, but the model was not "
+                          "trained this long)", UserWarning, stacklevel=3)
 
 
 @torch.inference_mode()
@@ -42,7 +61,8 @@ def generate_ids(
 
     Args:
         prompts: B lists of token ids, each non-empty.
-        sampling: one `SamplingParams` for every row, or a list of B (each row with its own generator).
+        sampling: one `SamplingParams` for every row, or a list of B (each row with its own generator); a
+            seeded one starts from its seed in every call, so reusing it reproduces the tokens.
         pad_id: the id written at padded positions; any id (None, -1, past the vocabulary) serves, since
             padding is masked and never reaches the embedding.
         on_tokens: called after each step with the new token of each row (None for finished rows).
@@ -50,32 +70,39 @@ def generate_ids(
             longest cached prefix and leaves its own blocks cached (rows are prefilled one by one).
     Returns:
         B `Completion`s (text empty; see `generate` for text).
+    The KV cache is reserved for at most `RESERVE_AHEAD` new tokens up front and grows as needed, so
+    max_new_tokens may be any size (generation runs until a stop id or the limit). Passing the config's
+    `max_position_embeddings` gives one `UserWarning` per call and generation goes on (there is no positional
+    encoding to run out of; quality past the trained length is not assured).
     Raises:
-        ValueError: an empty prompt list, an empty prompt, max_new_tokens < 1, or a prompt id outside the
-            model's vocabulary [0, config.vocab_size) (named with its row and position in the padded batch).
+        ValueError: prompts not a non-empty list of non-empty lists of Python ints (a bool, float or string
+            id, named by row and position; see `hybrid.batch.check_prompts`), max_new_tokens not an integer
+            >= 1, `sampling` not a `SamplingParams` or a list of B of them, or a prompt id outside the model's
+            vocabulary [0, config.vocab_size) (named with its row and position in the padded batch).
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("prompts must be a non-empty list of non-empty token id lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    sampling = sampling or SamplingParams()
+    check_prompts(prompts, model.config.vocab_size)
+    max_new_tokens = _check_max_new_tokens(max_new_tokens)
+    sampling = for_call(sampling, len(prompts))  # checked; seeded generators start from their seeds
     device = model.device
     batch = left_pad(prompts, pad_id, device)
     ids, mask = batch.ids, batch.mask
     B, L = ids.shape
     stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    ahead = min(max_new_tokens, RESERVE_AHEAD)  # the cache grows geometrically past this by itself
+    positions = _PositionNote(model.config.max_position_embeddings)
+    positions.check(L)
 
     start = time.perf_counter()
     if prefix_cache is not None:
-        rows = [prefix_cache.prefill(p, capacity=len(p) + max_new_tokens) for p in prompts]
+        rows = [prefix_cache.prefill(p, capacity=len(p) + ahead) for p in prompts]
         if B == 1:
             cache = rows[0][0]
         else:
-            cache = model.new_cache(B, capacity=L + max_new_tokens)
+            cache = model.new_cache(B, capacity=L + ahead)
             cache.fill_rows([row_cache for row_cache, _ in rows])
         last = torch.cat([row_logits for _, row_logits in rows])
     else:
-        cache = model.new_cache(B, capacity=L + max_new_tokens)
+        cache = model.new_cache(B, capacity=L + ahead)
         for s in range(0, L, prefill_chunk_size):
             logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
                            logits_to_keep=1)
@@ -100,6 +127,7 @@ def generate_ids(
         finished |= hit
         if bool(finished.all()) or step == max_new_tokens - 1:
             break
+        positions.check(L + step + 1)
         logits = model(token[:, None], cache)
         token = sample(logits[:, -1], sampling)
     end = time.perf_counter()
@@ -107,6 +135,41 @@ def generate_ids(
         Completion(out[row], reasons[row], len(prompts[row]), prefill_done - start, end - prefill_done)
         for row in range(B)
     ]
+
+
+def _check_max_new_tokens(n) -> int:
+    if not (isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r:.80}")
+    return int(n)
+
+
+def utf8_problem(text: str) -> str | None:
+    """What keeps `text` from being UTF-8 ("byte 0xff at character 2" for a byte Python kept as a surrogate,
+    "character '\\ud800' at character 0" for a lone surrogate), or None when it encodes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"character {text[e.start]!r}"
+        return f"{what} at character {e.start}"
+    return None
+
+
+def _check_texts(prompts) -> list[str]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a str or a list of str, got {prompts!r:.80}")
+    if not prompts:
+        raise ValueError("prompts must be a non-empty list of strings")
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str):
+            hint = " (decode bytes first)" if isinstance(p, (bytes, bytearray)) else ""
+            raise TypeError(f"prompts[{i}] must be a str, got {type(p).__name__} {p!r:.80}{hint}")
+        problem = utf8_problem(p)
+        if problem:
+            raise ValueError(f"prompts[{i}] is not valid UTF-8: {problem}")
+    return list(prompts)
 
 
 class _TextStream:
@@ -168,13 +231,16 @@ def generate(
         A list of `Completion`s, one per prompt, with `.text`, `.token_ids`, `.finish_reason` (and
         `.acceptance_rate` of the drafts when speculative).
     Raises:
-        ValueError: speculative with several prompts, with a prefix cache, or without an MTP block; a
-            sampling number out of range (temperature negative or not finite, top_p outside (0, 1], top_k
-            below -1; see `SamplingParams`: temperature below 1e-5 is greedy, top_k 0 or -1 no limit); a
-            prompt token id outside the model's vocabulary (see `generate_ids`).
+        TypeError: prompts not a str or a list of str (bytes included; named with their index).
+        ValueError: no prompts, a prompt that is not UTF-8 (a lone surrogate, or a byte Python kept as one:
+            named with its index and the byte), max_new_tokens not an integer >= 1, speculative with several
+            prompts, with a prefix cache, or without an MTP block; a sampling number out of range or of the
+            wrong type (temperature negative or not finite, top_p outside (0, 1], top_k below -1; see
+            `SamplingParams`: temperature below 1e-5 is greedy, top_k 0 or -1 no limit); a prompt token id
+            outside the model's vocabulary (see `generate_ids`).
     """
-    if isinstance(prompts, str):
-        prompts = [prompts]
+    prompts = _check_texts(prompts)
+    max_new_tokens = _check_max_new_tokens(max_new_tokens)
     if speculative and (len(prompts) != 1 or prefix_cache is not None):
         raise ValueError("speculative decoding takes one prompt and no prefix cache")
     sampling = SamplingParams(temperature, top_k, top_p, seed)  # checks the numbers first

@@ -60,15 +60,19 @@ def build_model(config: HybridConfig, dtype: torch.dtype, device: str | torch.de
     """An uninitialised model in `dtype` (router and SSM parameters in fp32) on `device` (default: meta).
 
     Raises:
-        ConfigError: the config's sizes multiply to a tensor whose byte count overflows torch's int64.
+        ConfigError: the config describes more layers, experts or parameters than `HybridConfig.check_sizes`
+            allows (checked arithmetically, before anything is built), or sizes that multiply to a tensor whose
+            byte count overflows torch's int64; the message names the fields.
     """
+    config.check_sizes()
     try:
         with torch.device(device):
             model = HybridForCausalLM(config)
     except RuntimeError as e:
         if "overflow" not in str(e):
             raise
-        raise ConfigError(f"the config's sizes describe a tensor too large for torch ({e})") from None
+        fields, _ = max(config.parameter_terms(), key=lambda t: t[1])
+        raise ConfigError(f"the config's sizes describe a tensor too large for torch: {fields} ({e})") from None
     return model.cast(dtype)
 
 
@@ -115,6 +119,7 @@ def load_model(
     prepack = prepack and model.dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16.available()
     load_weights(model, files, device, prepack=prepack, progress=progress)
     del files  # unmaps the checkpoint
+    model.source_dir = Path(directory).resolve()  # save_checkpoint's default `source`: never saved onto
     return model.eval()
 
 

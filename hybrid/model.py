@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import hybrid.fingerprint as fingerprint
+from hybrid.batch import outside_vocabulary
 from hybrid.cache import Cache, HybridCache, KVCache, MambaState, StepContext
 from hybrid.config import ATTENTION, MAMBA, MLP as MLP_CHAR, MOE, HybridConfig
 from hybrid.layers.attention import Attention
@@ -273,12 +274,15 @@ class HybridForCausalLM(nn.Module):
         never reach the embedding.
 
         Raises:
-            ValueError: input_ids not [batch, tokens] of integers, a real token id outside [0, vocab_size),
-                or an attention_mask of the wrong shape.
+            ValueError: input_ids not [batch, tokens] of integers or with no tokens, a real token id outside
+                [0, vocab_size), or an attention_mask of the wrong shape or with values other than 0 / 1.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         B, T = input_ids.shape
+        if T == 0 or B == 0:
+            raise ValueError(f"input_ids has no tokens (shape {tuple(input_ids.shape)}); a forward needs at least "
+                             "one token per row")
         mask = self._token_mask(attention_mask, B, T, cache)
         ids = input_ids if mask is None else input_ids.masked_fill(~mask, 0)
         self._check_ids(ids)  # before the cache advances
@@ -318,8 +322,7 @@ class HybridForCausalLM(nn.Module):
         outside = (ids < 0) | (ids >= vocab)
         if bool(outside.any()):
             row, col = outside.nonzero()[0].tolist()
-            raise ValueError(f"token id {int(ids[row, col])} (input_ids[{row}, {col}]) is outside the model's "
-                             f"vocabulary: ids must lie in [0, {vocab}) (config.vocab_size)")
+            raise ValueError(outside_vocabulary(int(ids[row, col]), f"input_ids[{row}, {col}]", vocab))
 
     @staticmethod
     def _token_mask(attention_mask, B: int, T: int, cache: Cache | None) -> torch.Tensor | None:
@@ -332,5 +335,13 @@ class HybridForCausalLM(nn.Module):
                 f"attention_mask must be [batch, new tokens] = [{B}, {T}] or [batch, past + new] = [{B}, {past + T}], "
                 f"got {tuple(attention_mask.shape)}"
             )
-        mask = attention_mask[:, -T:].bool() if T else attention_mask[:, :0].bool()
+        if attention_mask.dtype != torch.bool:
+            if attention_mask.dtype.is_complex:
+                raise ValueError(f"attention_mask must hold only 0 and 1 (or True and False), got {attention_mask.dtype}")
+            bad = (attention_mask != 0) & (attention_mask != 1)
+            if bool(bad.any()):
+                value = attention_mask[bad][0].item()
+                raise ValueError(f"attention_mask must hold only 0 and 1 (or True and False), got {value!r} "
+                                 f"(attention_mask[{', '.join(map(str, bad.nonzero()[0].tolist()))}])")
+        mask = attention_mask[:, -T:].bool()
         return None if bool(mask.all()) else mask

@@ -159,8 +159,10 @@ class PrefixCache:
 
         Raises:
             PrefixCacheFileError: the file is not a readable safetensors file (cut short, another format),
-                was written for another model (identity) or another block size, or its node list or a
-                tensor (missing, or of another shape or dtype than this model's snapshots) is malformed.
+                was written for another model (identity) or another block size, or its node list (an entry
+                without "digest" or "parent", a duplicated digest, a node that is its own parent, a parent
+                that is not an earlier entry, hence any cycle) or a tensor (missing, or of another shape or
+                dtype than this model's snapshots) is malformed. The message names the file and the entry.
         """
         from safetensors import SafetensorError, safe_open
 
@@ -192,10 +194,22 @@ class PrefixCache:
             entries = json.loads(meta.get("nodes", ""))
         except (ValueError, RecursionError):  # not JSON, nested too deeply, an integer of more than 4300 digits
             raise bad("its node list (metadata 'nodes') is not JSON") from None
-        if not isinstance(entries, list) or not all(
-                isinstance(e, dict) and isinstance(e.get("digest"), str)
-                and (e.get("parent") is None or isinstance(e.get("parent"), str)) for e in entries):
+        if not isinstance(entries, list):
             raise bad("its node list is not a list of {'digest': str, 'parent': str or null}")
+        seen: set[str] = set()
+        for i, e in enumerate(entries):  # a tree written parents first (`save`): no duplicate, no cycle
+            if not (isinstance(e, dict) and isinstance(e.get("digest"), str) and "parent" in e
+                    and (e["parent"] is None or isinstance(e["parent"], str))):
+                raise bad(f"its node list is not a list of {{'digest': str, 'parent': str or null}} "
+                          f"(entry {i}: {str(e)[:80]})")
+            if e["digest"] in seen:
+                raise bad(f"its node list has digest {e['digest'][:12]} twice (entry {i})")
+            if e["parent"] == e["digest"]:
+                raise bad(f"its node list has a node that is its own parent (entry {i}, {e['digest'][:12]})")
+            if e["parent"] is not None and e["parent"] not in seen:
+                raise bad(f"its node list has a parent that is not an earlier entry (entry {i}, parent "
+                          f"{e['parent'][:12]}): not a tree written parents first")
+            seen.add(e["digest"])
         kv_spec, mamba_spec = self._snapshot_specs()
         keys, nodes = set(f.keys()), []
         for i, entry in enumerate(entries):

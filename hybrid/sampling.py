@@ -11,6 +11,7 @@ row (each row draws from its own generator, so a row gives the same tokens in an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -26,12 +27,14 @@ SAMPLING_EPS = 1e-5
 @dataclass
 class SamplingParams:
     """temperature 0 (or None, or below `SAMPLING_EPS`) is greedy (ties: lowest id); top_k / top_p filter
-    before sampling (top_k 0 or -1, like None, is no limit); `seed` makes the draws reproducible (this
-    object's own generator).
+    before sampling (top_k 0 or -1, like None, is no limit); `seed` makes the draws reproducible: each
+    generation call (`generate_ids`, `generate`) starts again from it (`fresh`), so the same object gives the
+    same tokens in every call; `sample` used directly draws on from this object's own generator.
 
     Raises:
-        ValueError: temperature negative or not finite, top_k not a positive integer (or 0 / -1), top_p
-            outside (0, 1], or a seed torch's generator cannot take.
+        ValueError: temperature negative, not finite or not a number, top_k not a positive integer (or 0 / -1),
+            top_p not a number in (0, 1], or a seed that is not an integer torch's generator can take (bools
+            are refused everywhere; the value is named with its repr, so a string shows its quotes).
     """
 
     temperature: float = 0.0
@@ -42,31 +45,69 @@ class SamplingParams:
 
     def __post_init__(self):
         t = 0.0 if self.temperature is None else self.temperature
-        if not (isinstance(t, numbers.Real) and math.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t}")
+        if not (_real(t) and math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         self.temperature = 0.0 if t < SAMPLING_EPS else float(t)
         k = self.top_k
-        if k is not None and not (isinstance(k, numbers.Integral) and k >= -1):
-            raise ValueError(f"top_k must be a positive integer, or 0 or -1 for no limit, got {k}")
+        if k is not None and not (_integer(k) and k >= -1):
+            raise ValueError(f"top_k must be a positive integer, or 0 or -1 for no limit, got {k!r}")
         self.top_k = None if k is None or k in (0, -1) else int(k)
-        if self.top_p is not None and not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_p is not None and not (_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None:
-            if not (isinstance(self.seed, numbers.Integral) and -2**63 <= self.seed < 2**64):
-                raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
+            if not (_integer(self.seed) and -2**63 <= self.seed < 2**64):
+                raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
             self.generator = torch.Generator().manual_seed(int(self.seed))
+
+    def fresh(self) -> "SamplingParams":
+        """These parameters for a new generation call: a seeded one starts again from its seed (its own new
+        generator), so one object gives the same tokens in every call; an unseeded one is returned as is."""
+        return dataclasses.replace(self) if self.seed is not None else self
+
+
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 Sampling = SamplingParams | Sequence[SamplingParams]
 
 
 def _per_row(params: Sampling, rows: int) -> Sequence[SamplingParams] | None:
-    """The list of per-row params, or None for one `SamplingParams` shared by the batch."""
+    """The list of per-row params, or None for one `SamplingParams` shared by the batch.
+
+    Raises:
+        ValueError: `params` is neither a `SamplingParams` nor a list / tuple of them, or has not `rows` of them.
+    """
     if isinstance(params, SamplingParams):
         return None
+    if not isinstance(params, (list, tuple)):
+        raise ValueError(f"sampling must be a SamplingParams or a list of one per row, got {type(params).__name__}")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise ValueError(f"sampling[{i}] must be a SamplingParams, got {type(p).__name__}")
     if len(params) != rows:
         raise ValueError(f"{len(params)} sampling parameter sets for {rows} rows")
     return params
+
+
+def for_call(params: Sampling | None, rows: int) -> Sampling:
+    """The sampling parameters of one generation call over `rows` rows: checked (see `_per_row`), default
+    greedy, each seeded `SamplingParams` starting again from its seed (`SamplingParams.fresh`), so a call is
+    reproducible whatever earlier calls drew with the same objects.
+
+    Raises:
+        ValueError: see `_per_row`.
+    """
+    if params is None:
+        return SamplingParams()
+    rows_params = _per_row(params, rows)
+    if rows_params is None:
+        return params.fresh()
+    return [p.fresh() for p in rows_params]
 
 
 def filtered_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:

@@ -58,14 +58,19 @@ def save_checkpoint(model: HybridForCausalLM, directory: str | Path, max_shard_b
 
     source: the checkpoint the model came from: its other files (tokenizer, chat template, model card,
         generation_config.json with its sampling defaults) are copied, and `directory` may not be it, be
-        inside it or contain it.
+        inside it or contain it. Default: the directory `hybrid.load_model` loaded the model from
+        (`model.source_dir`, while it exists), so a loaded model keeps its tokenizer files and is never
+        saved onto its own checkpoint.
     files: more text files to write with it ({name: text}: tokenizer files, a training log), in the same
         all-or-nothing write.
     Raises:
         hybrid.checkpoint_writer.WriteError: `directory` is not empty (without `overwrite`), clashes with
-            `source` or cannot be created.
+            `source` (the model's own checkpoint by default: "is the source") or cannot be created.
         OSError: a write failed (`directory` is then as it was).
     """
+    if source is None:  # a loaded model: where it came from
+        loaded_from = getattr(model, "source_dir", None)
+        source = loaded_from if loaded_from is not None and Path(loaded_from).is_dir() else None
     with CheckpointWriter(directory, source=source, overwrite=overwrite, max_shard_bytes=max_shard_bytes) as writer:
         write_config_files(writer, model.config, model.dtype, model.quantization, source)
         for name, text in (files or {}).items():

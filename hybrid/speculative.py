@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybrid.cache import RESERVE_AHEAD
 from hybrid.config import MAMBA
 from hybrid.model import HybridForCausalLM
 from hybrid.sampling import Completion, SamplingParams, filtered_probs, sample
@@ -106,7 +107,7 @@ def speculative_generate_ids(
     greedy = not sampling.temperature
     stop = set(stop_ids)
     device = model.device
-    capacity = len(prompt) + max_new_tokens + num_draft + 1
+    capacity = len(prompt) + min(max_new_tokens, RESERVE_AHEAD) + num_draft + 1  # the caches grow past it
     cache = model.new_cache(1, capacity)
     mtp_cache = model.new_mtp_cache(1, capacity) if drafter is None else None
     stats = SpeculativeStats()

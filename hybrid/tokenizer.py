@@ -11,15 +11,15 @@
 from __future__ import annotations
 
 import json
-import reprlib
 from datetime import datetime
 from pathlib import Path
 
 import tokenizers
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from hybrid.checkpoint_files import CheckpointError
+from hybrid.config import ConfigError, check_field
 
 
 def _read_json(path: Path) -> dict:
@@ -43,17 +43,23 @@ def _token_text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _token_id(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def _checked(generation: dict, key: str, path: Path):
+    """generation_config.json's `key` (`eos_token_id`: an id, a list of ids, or null; `pad_token_id`: an id or
+    null), checked as config.json checks it (`hybrid.config.check_field`: ids in [0, 2^31)).
+
+    Raises:
+        CheckpointError: the value is no token id; the message names the file, the key and the value.
+    """
+    value = generation.get(key)
+    try:
+        check_field(key, value)
+    except ConfigError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    return value
 
 
-def _ids(value, path: Path) -> list[int]:
-    """generation_config.json's `eos_token_id`: an id, a list of ids, or null. Raises CheckpointError otherwise."""
-    ids = [] if value is None else value if isinstance(value, list) else [value]
-    if not all(map(_token_id, ids)):
-        raise CheckpointError(f"{path}: `eos_token_id` must be a token id (an integer >= 0), a list of them, or null, "
-                              f"got {reprlib.repr(value)}")
-    return ids
+def _ids(value) -> list[int]:
+    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 class Tokenizer:
@@ -65,9 +71,11 @@ class Tokenizer:
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, chat_template: str | None = None,
-                 special_tokens: dict | None = None, stop_ids: list[int] | None = None, pad_token_id: int | None = None):
+                 special_tokens: dict | None = None, stop_ids: list[int] | None = None, pad_token_id: int | None = None,
+                 template_source: str | None = None):
         self._tok = tokenizer
         self.chat_template = chat_template
+        self.template_source = template_source or "the chat template"  # where it came from, for messages
         special = special_tokens or {}
         self.bos_token = special.get("bos_token")
         self.eos_token = special.get("eos_token")
@@ -81,7 +89,8 @@ class Tokenizer:
 
         Raises:
             CheckpointError: tokenizer.json missing or unreadable, a JSON file that does not parse, a chat_template.jinja
-                that is not UTF-8, or a generation_config.json `eos_token_id` / `pad_token_id` that is no token id.
+                that is not UTF-8, or a generation_config.json `eos_token_id` / `pad_token_id` that is no token id
+                (an integer in [0, 2^31), as in config.json); the message names the file and the key.
         """
         directory = Path(directory)
         path = directory / "tokenizer.json"
@@ -101,7 +110,9 @@ class Tokenizer:
             if text is not None:
                 special[key] = text
         template = None
+        source = f"{directory / 'tokenizer_config.json'} (`chat_template`)"
         if (directory / "chat_template.jinja").exists():
+            source = str(directory / "chat_template.jinja")
             try:
                 template = (directory / "chat_template.jinja").read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
@@ -112,16 +123,15 @@ class Tokenizer:
             template = next((t["template"] for t in tok_config["chat_template"] if isinstance(t, dict)
                              and t.get("name") == "default" and isinstance(t.get("template"), str)), None)
 
-        stop = set(config_eos or []) | set(_ids(generation.get("eos_token_id"), directory / "generation_config.json"))
+        generation_path = directory / "generation_config.json"
+        stop = set(config_eos or []) | set(_ids(_checked(generation, "eos_token_id", generation_path)))
         if "eos_token" in special and tok.token_to_id(special["eos_token"]) is not None:
             stop.add(tok.token_to_id(special["eos_token"]))
-        if generation.get("pad_token_id") is not None and not _token_id(generation["pad_token_id"]):
-            raise CheckpointError(f"{directory / 'generation_config.json'}: `pad_token_id` must be a token id "
-                                  f"(an integer >= 0) or null, got {reprlib.repr(generation['pad_token_id'])}")
+        _checked(generation, "pad_token_id", generation_path)
         pad = tok.token_to_id(special["pad_token"]) if "pad_token" in special else None
         if pad is None:
             pad = generation.get("pad_token_id", config_pad)
-        return cls(tok, template, special, sorted(stop), pad)
+        return cls(tok, template, special, sorted(stop), pad, template_source=source)
 
     # ------------------------------------------------------------------------------------------ text
     @property
@@ -148,28 +158,71 @@ class Tokenizer:
 
         Extra keyword arguments reach the template (e.g. `enable_thinking=False` for Nemotron 3).
         Raises:
-            ValueError: the checkpoint has no chat template, or the template fails (its message kept).
+            ValueError: the checkpoint has no chat template; the template fails to parse or render (any
+                exception: a syntax error, `raise_exception`, an unsafe operation, 1/0, deep recursion, a
+                `range` beyond `MAX_RANGE`, ...); it renders an empty string or more than `MAX_RENDERED_CHARS`
+                characters. The message names the template's file and the exception.
         """
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json / chat_template.jinja)")
+        where = self.template_source
         try:
             template = _environment().from_string(self.chat_template)
-            return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except TemplateError as e:
-            raise ValueError(f"chat template failed: {e}") from None
+        except RecursionError:
+            raise ValueError(f"{where}: chat template failed: it recurses too deeply (RecursionError)") from None
+        except MemoryError:
+            raise ValueError(f"{where}: chat template failed: it ran out of memory (MemoryError)") from None
+        except TemplateError as e:  # syntax errors, raise_exception, the sandbox's SecurityError
+            raise ValueError(f"{where}: chat template failed: {e}") from None
+        except Exception as e:  # the template's own expressions: 1/0, "%d"|format("x"), ...
+            raise ValueError(f"{where}: chat template failed: {type(e).__name__}: {e}") from None
+        if len(text) > MAX_RENDERED_CHARS:
+            raise ValueError(f"{where}: chat template rendered {len(text):,} characters, more than the limit of "
+                             f"{MAX_RENDERED_CHARS:,}")
+        if not text:
+            raise ValueError(f"{where}: chat template rendered an empty string for these messages")
+        return text
 
     def encode_chat(self, messages: list[dict], **kwargs) -> list[int]:
         """Token ids of the rendered chat; the template carries its own special tokens."""
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
 
+MAX_RENDERED_CHARS = 2**24  # a rendered chat (16 Mi characters) far beyond any context window
+MAX_RANGE = 100_000  # items of one `range()` in a template (jinja2's default is 100,000,000)
+
+
 def _raise_exception(message: str):
     raise TemplateError(message)
 
 
+def _sized(value) -> int | None:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else None
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox with a smaller `range`, and `*` / `**` bounded so that no expression of the
+    template can build a huge string or list (`'ab' * 10**9`) or number (`10 ** 10 ** 10`)."""
+
+    MAX_RANGE = MAX_RANGE
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if _sized(seq) is not None and isinstance(n, int) and _sized(seq) * max(n, 0) > MAX_RENDERED_CHARS:
+                    raise SecurityError(f"a repetition of {_sized(seq):,} items {n:,} times exceeds the limit of "
+                                        f"{MAX_RENDERED_CHARS:,}")
+        elif operator == "**" and isinstance(left, (int, float)) and isinstance(right, (int, float)):
+            if abs(right) > 1024 and abs(left) > 1:
+                raise SecurityError(f"the power {left!r} ** {right!r} is too large")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

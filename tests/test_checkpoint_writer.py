@@ -216,3 +216,71 @@ def test_a_random_checkpoint_is_written_tensor_by_tensor_in_the_published_layout
     A = torch.exp(state["backbone.layers.0.mixer.A_log"])
     assert bool(((A >= 1) & (A <= 16)).all())
     assert 0.015 < float(state["backbone.layers.1.mixer.experts.up_proj"].std()) < 0.025  # initializer_range 0.02
+
+
+def test_a_full_disk_is_an_os_error_naming_the_destination(source, tmp_path, monkeypatch):
+    """The writer turns safetensors' SafetensorError (a full disk) into an OSError naming the destination."""
+    from safetensors import SafetensorError
+
+    import hybrid.checkpoint_writer
+    from hybrid.checkpoint_writer import CheckpointWriter
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: No space left on device")
+
+    monkeypatch.setattr(hybrid.checkpoint_writer, "save_file", full)
+    dst = tmp_path / "dst"
+    with pytest.raises(OSError, match=f"{dst}.*No space left on device"):
+        with CheckpointWriter(dst, source=source) as writer:
+            writer.add("w", torch.zeros(4))
+    assert not dst.exists() and hidden(tmp_path) == []
+
+
+def test_a_loaded_model_is_never_saved_onto_its_own_checkpoint(source, tmp_path):
+    """`load_model` records where the model came from; `save_checkpoint` uses it as the default `source`:
+    saving onto it (even with overwrite) is refused as "the source" and leaves every file; saving elsewhere
+    copies its tokenizer files."""
+    model = hybrid.load_model(source)
+    assert model.source_dir == source.resolve()
+    before = snapshot(source)
+    with pytest.raises(WriteError, match="is the source"):
+        hybrid.save_checkpoint(model, source, overwrite=True)
+    assert snapshot(source) == before
+    out = hybrid.save_checkpoint(model, tmp_path / "copy")
+    tokenizer_files = [n for n in before if n.startswith("tokenizer") or n == "chat_template.jinja"]
+    assert tokenizer_files and all((out / n).read_bytes() == before[n] for n in tokenizer_files)
+
+
+@pytest.mark.parametrize("where", ["new-parents", "inside-a-checkpoint"])
+def test_a_failed_write_removes_the_parent_directories_it_created(source, tmp_path, monkeypatch, where):
+    """A write into new parent directories that fails (here in the CLI, on a full disk) removes the
+    directories it created itself, and only those: an existing checkpoint gets no empty `sub/`."""
+    from safetensors import SafetensorError
+
+    import hybrid.checkpoint_writer
+    from hybrid.cli import main
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("No space left on device")
+
+    monkeypatch.setattr(hybrid.checkpoint_writer, "save_file", full)
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "config.json").write_text("{}")
+    dst = {"new-parents": tmp_path / "newparent" / "a" / "b", "inside-a-checkpoint": existing / "sub" / "x"}[where]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["quantize", str(source), str(dst), "--format", "mxfp4"]) in (1, 2)  # block size or disk
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert sorted(p.name for p in existing.iterdir()) == ["config.json"]
+    with pytest.raises(OSError):
+        with CheckpointWriter(dst) as writer:
+            writer.add("w", torch.zeros(4))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert sorted(p.name for p in existing.iterdir()) == ["config.json"]
+
+
+def test_checking_a_destination_leaves_no_directory(tmp_path):
+    from hybrid.checkpoint_writer import check_destination
+
+    check_destination(tmp_path / "a" / "b" / "c", None, False)
+    assert list(tmp_path.iterdir()) == []

@@ -192,3 +192,60 @@ def test_token_past_the_vocabulary_is_a_clear_error(tmp_path):
     assert r.stderr.splitlines()[-1].startswith("error: token id 3")
     assert r.stderr.splitlines()[-1].endswith("is outside the model's vocabulary: ids must lie in [0, 300) "
                                               "(config.vocab_size)")
+
+
+# ---------------------------------------------------------------------------------- new-user trial faults
+@pytest.mark.parametrize("limit", ["1000000000", str(2**31), str(10**22)])
+def test_huge_max_new_tokens_is_not_reserved_up_front(tmp_path, limit):
+    """A limit far past memory is not reserved up front: generation runs until a stop id (here every id)."""
+    small = write_checkpoint(tmp_path / "ck", pattern="ME*-M", seed=5, eos_token_id=list(range(320)))
+    r = run("generate", str(small), "--prompt", "The", "--max-new-tokens", limit, "--json")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    out = json.loads(r.stdout)
+    assert out["generated_tokens"] == 1 and out["finish_reason"] == "stop"
+
+
+def test_past_max_position_embeddings_is_one_note(tmp_path):
+    small = write_checkpoint(tmp_path / "ck", pattern="ME*-M", seed=5, max_position_embeddings=4)
+    r = run("generate", str(small), "--prompt", "The grass", "--max-new-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("note: ") == 1 and "max_position_embeddings (4)" in r.stderr
+    assert "Warning" not in r.stderr and json.loads(r.stdout)["generated_tokens"] == 8
+
+
+@pytest.mark.parametrize("command", ["generate", "quantize"])
+def test_threads_above_the_cpus_are_a_usage_error(ckpt, tmp_path, command):
+    import os
+
+    args = ["generate", str(ckpt), "--prompt", "x"] if command == "generate" else \
+        ["quantize", str(ckpt), str(tmp_path / "out"), "--format", "fp8"]
+    r = run(*args, "--threads", "100000")
+    bound = 4 * (os.cpu_count() or 1)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"argument --threads: must be at most {bound} (4 x os.cpu_count()), got 100000" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_broken_pipe_exits_quietly(ckpt):
+    def pipe(*flags):
+        return subprocess.run(f"set -o pipefail; {sys.executable} -m hybrid.cli generate {ckpt} --prompt 'The grass is' "
+                              f"--max-new-tokens 1000 {' '.join(flags)} | head -c 1", shell=True, capture_output=True,
+                              timeout=300, executable="/bin/bash")
+
+    for p in (pipe(), pipe("--json")):
+        err = p.stderr.decode()
+        assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+        assert p.returncode in (0, 141) and len(p.stdout) == 1  # 0 when every write landed before head left
+    assert pipe("--json").stdout == b"{"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_stdout_write_error_is_one_line(ckpt, json_flag):
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "hybrid.cli", "generate", str(ckpt), "--prompt", "The grass is",
+                            "--max-new-tokens", "4", *json_flag], stdout=full, stderr=subprocess.PIPE, text=True,
+                           timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: writing to stdout failed: [Errno 28] No space left on device"], r.stderr

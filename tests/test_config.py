@@ -276,3 +276,26 @@ def test_config_path_that_is_a_directory(tmp_path):
     with pytest.raises(ConfigError) as info:
         HybridConfig.from_file(tmp_path / "config.json")
     assert str(info.value).startswith(f"{tmp_path / 'config.json'}: cannot read (")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"n_routed_experts": 2**31 - 1}, "`n_routed_experts` is 2,147,483,647; at most 65,536 experts per MoE layer are supported"),
+    ({"hybrid_override_pattern": "M" * 200_000}, "`hybrid_override_pattern` describes 200,000 layers; at most 4,096 are supported"),
+    ({"hidden_size": 2**31 - 1}, "the sizes describe 2.52e+16 parameters, more than the limit of 1e+14; the largest "
+                                 "part is `n_routed_experts` (128) * `moe_intermediate_size` (1856) * `hidden_size` "
+                                 "(2147483647) (MoE layers): 2.38e+16 parameters"),
+])
+def test_sizes_are_bounded_before_anything_is_built(tmp_path, change, message):
+    raw = {**nano_dict(), **change}
+    raw.pop("num_hidden_layers", None)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError) as info:
+        HybridConfig.from_file(tmp_path / "config.json")
+    assert str(info.value) == f"{tmp_path / 'config.json'}: {message}"
+
+
+def test_parameter_terms_agree_with_the_built_model():
+    c = HybridConfig.from_dict(nano_dict())
+    counted = sum(n for _, n in c.parameter_terms())
+    built = describe(c, torch.bfloat16)["parameters"]
+    assert abs(counted - built) / built < 1e-4

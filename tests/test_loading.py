@@ -211,11 +211,43 @@ def test_config_value_of_the_wrong_type_names_file_key_and_value(single, tmp_pat
                                "a list of them, or null, got '2'")
 
 
-def test_config_sizes_too_large_for_torch(single, tmp_path):
+@pytest.mark.parametrize("change, message", [
+    # before: MemoryError after 28 s and 7.5 GB, building the experts on meta
+    ({"n_routed_experts": 2**31 - 1}, "`n_routed_experts` is 2,147,483,647; at most 65,536 experts"),
+    # before: 10 s and 2.6 GB, then a shape mismatch
+    ({"n_routed_experts": 10_000_000}, "`n_routed_experts` is 10,000,000; at most 65,536 experts"),
+    # before: > 120 s and 3.7 GB in building the model
+    ({"hybrid_override_pattern": "M" * 200_000, "num_hidden_layers": 200_000},
+     "`hybrid_override_pattern` describes 200,000 layers; at most 4,096"),
+    # before: "the config's sizes describe a tensor too large for torch (...)", naming neither file nor field
+    ({"hidden_size": 2**31 - 1, "vocab_size": 2**20}, "more than the limit of 1e+14; the largest part is "
+                                                       "`vocab_size` (1048576) * `hidden_size` (2147483647)"),
+    ({"intermediate_size": 2**31 - 1, "hidden_size": 2**20},
+     "the largest part is `intermediate_size` (2147483647) * `hidden_size` (1048576) (MLP layers)"),
+    ({"vocab_size": 2**31 - 1, "hidden_size": 2**20}, "the largest part is `vocab_size` (2147483647) * `hidden_size`"),
+    ({"n_routed_experts": 2**16, "moe_intermediate_size": 2**30, "hidden_size": 2**30},
+     "the largest part is `n_routed_experts` (65536) * `moe_intermediate_size` (1073741824) * `hidden_size`"),
+])
+def test_config_sizes_beyond_the_bounds_fail_fast_naming_file_and_field(single, tmp_path, change, message):
+    import time
+
     d = _copy(single, tmp_path)
-    _edit_config(d, n_routed_experts=2**30, moe_intermediate_size=2**30, hidden_size=2**30)
-    with pytest.raises(ConfigError, match=r"sizes describe a tensor too large for torch \(.*overflowed"):
-        hybrid.load_model(d, progress=False)  # before: RuntimeError from torch
+    _edit_config(d, **change)
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        hybrid.load_model(d, progress=False)
+    assert time.perf_counter() - start < 1.0
+    assert str(info.value).startswith(f"{d / 'config.json'}: ") and message in str(info.value)
+
+
+def test_build_model_bounds_a_config_built_in_python():
+    from hybrid.config import HybridConfig
+    from hybrid.loading import build_model
+    from tiny_checkpoint import TINY
+
+    config = HybridConfig(hybrid_override_pattern="M*E-", **{**TINY, "n_routed_experts": 2**31 - 1})
+    with pytest.raises(ConfigError, match="`n_routed_experts` is 2,147,483,647; at most 65,536"):
+        build_model(config, torch.float32)
 
 
 def _safetensors(path, header, data: bytes = b"\0" * 8):
@@ -315,7 +347,7 @@ def test_crafted_index(tmp_path, index, message):
     assert str(info.value).startswith(f"{d / 'model.safetensors.index.json'}: {message}")
 
 
-ID = "a token id (an integer >= 0)"
+ID = "a token id (an integer in [0, 2^31))"  # as config.json checks it (`hybrid.config.TOKEN_IDS`)
 
 
 @pytest.mark.parametrize("name, content, message", [
@@ -326,6 +358,12 @@ ID = "a token id (an integer >= 0)"
     ("generation_config.json", '{"eos_token_id": 1.5}',
      f"`eos_token_id` must be {ID}, a list of them, or null, got 1.5"),
     ("generation_config.json", '{"pad_token_id": "0"}', f"`pad_token_id` must be {ID} or null, got '0'"),
+    # before: "Overflow when unpacking long long", naming neither file nor key
+    ("generation_config.json", '{"eos_token_id": ' + str(10**30) + '}',
+     f"`eos_token_id` must be {ID}, a list of them, or null, got {10**30}"),
+    ("generation_config.json", '{"eos_token_id": [2, 2147483648]}',
+     f"`eos_token_id` must be {ID}, a list of them, or null, got [2, 2147483648]"),
+    ("generation_config.json", '{"pad_token_id": ' + str(2**31) + '}', f"`pad_token_id` must be {ID} or null, got {2**31}"),
     ("generation_config.json", "[" * 5000, "not valid JSON (nested too deeply)"),
     ("generation_config.json", '{"x": ' + "1" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
     ("tokenizer_config.json", b'{"x": "\xff"}', "not valid JSON ("),
@@ -400,3 +438,38 @@ def test_crafted_compressed_tensors_block(single, tmp_path, block, message):
     with pytest.raises(CheckpointError) as info:
         hybrid.load_model(d, progress=False)
     assert str(info.value).startswith(f"quantized checkpoint: {d / 'config.json'} (quantization_config): {message}")
+
+
+def test_single_file_wins_over_an_index_with_a_warning(single, sharded, tmp_path):
+    """Before: the index was read silently; transformers reads model.safetensors."""
+    from hybrid.checkpoint_files import CheckpointFiles
+
+    d = _copy(sharded, tmp_path)
+    shutil.copy(single / "model.safetensors", d / "model.safetensors")
+    with pytest.warns(UserWarning, match=r"holds both model.safetensors and model.safetensors.index.json; loading "
+                                         r"model.safetensors \(as transformers does\)"):
+        files = CheckpointFiles(d)
+    assert list(files.files) == ["model.safetensors"] and set(files.keys()) == set(load_file(single / "model.safetensors"))
+
+
+def test_cli_notes_a_single_file_next_to_an_index(single, sharded, tmp_path, capsys):
+    from hybrid.cli import main
+
+    d = _copy(sharded, tmp_path)
+    shutil.copy(single / "model.safetensors", d / "model.safetensors")
+    assert main(["generate", str(d), "--prompt", "hi", "--max-new-tokens", "1"]) == 0
+    assert "note: " + str(d) + ": holds both model.safetensors and model.safetensors.index.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, what", [
+    ("model.safetensors", "a safetensors weights file"),
+    ("tokenizer.json", "not a config (tokenizer.json)"),
+])
+def test_info_on_a_file_that_is_no_config_says_what_it_takes(single, capsys, name, what):
+    """Before: "model.safetensors: not valid JSON (...)"."""
+    from hybrid.cli import main
+
+    assert main(["info", str(single / name)]) == 2
+    assert capsys.readouterr().err == (f"error: {single / name} is {what}; `hybrid info` takes a checkpoint "
+                                       "directory or a config.json\n")
+    assert main(["info", str(single / "config.json")]) == 0

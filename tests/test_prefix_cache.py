@@ -191,6 +191,100 @@ def test_a_tensor_of_another_shape_or_a_bad_node_list_is_refused(model, tmp_path
         assert len(fresh) == 0  # nothing half-loads: the first node was fine
 
 
+def _with_nodes(model, tmp_path, nodes, n_blocks=2):
+    """A saved file (n_blocks nodes) with its node list replaced by `nodes` (a function of the real entries)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    store = _saved(model, tmp_path / "prefix.safetensors", n_blocks=n_blocks)
+    with safe_open(str(store), "pt") as f:
+        meta = f.metadata()
+    entries = json.loads(meta["nodes"])
+    bad = tmp_path / "bad.safetensors"
+    save_file(load_file(store), bad, metadata={**meta, "nodes": json.dumps(nodes(entries))})
+    return bad
+
+
+@pytest.mark.parametrize("kind,nodes,match", [
+    ("no-parent", lambda e: [{"digest": e[0]["digest"]}, e[1]], r"not a list of .*entry 0"),
+    ("no-parent-later", lambda e: [e[0], {"digest": e[1]["digest"]}], r"not a list of .*entry 1"),
+    ("duplicated-digest", lambda e: [e[0], {"digest": e[0]["digest"], "parent": None}], r"twice \(entry 1\)"),
+    ("own-parent", lambda e: [{"digest": e[0]["digest"], "parent": e[0]["digest"]}, e[1]], r"its own parent \(entry 0"),
+    ("parent-later", lambda e: [e[1], e[0]], r"not an earlier entry \(entry 0"),
+    ("cycle", lambda e: [{"digest": e[0]["digest"], "parent": e[1]["digest"]},
+                         {"digest": e[1]["digest"], "parent": e[0]["digest"]}], r"not an earlier entry \(entry 0"),
+    ("unknown-parent", lambda e: [e[0], {"digest": e[1]["digest"], "parent": "f" * 64}], r"not an earlier entry \(entry 1"),
+    ("not-an-object", lambda e: [e[0], [1, 2]], r"not a list of .*entry 1"),
+])
+def test_a_malformed_node_list_is_refused_naming_the_file_and_entry(model, tmp_path, kind, nodes, match):
+    """Every malformed tree (a missing key, a duplicate, a self-parent, a parent not earlier, a cycle) raises
+    PrefixCacheFileError naming the file and the entry, and adds nothing."""
+    bad = _with_nodes(model, tmp_path, nodes)
+    fresh = PrefixCache(model, block_size=BLOCK)
+    with pytest.raises(PrefixCacheFileError, match=match) as e:
+        fresh.load(bad)
+    assert str(bad) in str(e.value)
+    assert len(fresh) == 0
+
+
+def test_any_node_list_either_loads_or_is_refused(model, tmp_path):
+    """Property: any node list made of the file's digests, unknown ones and missing keys (in any order, with
+    repeats) loads a tree or raises PrefixCacheFileError, adding nothing then."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    store = _saved(model, tmp_path / "prefix.safetensors", n_blocks=3)
+    with safe_open(str(store), "pt") as f:
+        meta = f.metadata()
+    tensors, real = load_file(store), [e["digest"] for e in json.loads(meta["nodes"])]
+    target = tmp_path / "edited.safetensors"
+    digest = st.sampled_from(real + ["0" * 64])
+    entry = st.fixed_dictionaries({"digest": digest}, optional={"parent": st.one_of(st.none(), digest)})
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(st.lists(entry, max_size=4))
+    def check(entries):
+        save_file(tensors, target, metadata={**meta, "nodes": json.dumps(entries)})
+        fresh = PrefixCache(model, block_size=BLOCK)
+        try:
+            added = fresh.load(target)
+        except PrefixCacheFileError:
+            assert len(fresh) == 0
+            return
+        assert added == len(entries) == len({e["digest"] for e in entries})
+        for i, e in enumerate(entries):
+            assert e["parent"] is None or e["parent"] in [x["digest"] for x in entries[:i]]
+
+    check()
+
+
+def test_the_cli_notes_a_malformed_node_list_and_leaves_the_file_unchanged(tmp_path):
+    import subprocess
+    import sys
+
+    from tiny_checkpoint import write_checkpoint
+
+    import hybrid
+
+    ckpt = write_checkpoint(tmp_path / "ck", pattern="ME*-M", seed=5)
+    model = hybrid.load_model(ckpt)
+    bad = _with_nodes(model, tmp_path, lambda e: [{"digest": e[0]["digest"]}, e[1]])
+    before = bad.read_bytes()
+    r = subprocess.run([sys.executable, "-m", "hybrid.cli", "generate", str(ckpt), "--prompt", "The grass is green.",
+                        "--max-new-tokens", "2", "--prefix-cache", str(bad), "--prefix-block-size", str(BLOCK)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "note: not using the prefix cache (left unchanged)" in r.stderr and "Traceback" not in r.stderr
+    assert str(bad) in r.stderr and "entry 0" in r.stderr
+    assert bad.read_bytes() == before
+
+
 def test_a_damaged_file_never_raises_anything_else(model, tmp_path):
     """Property: any byte string (a saved file with bytes changed, cut or extended) either loads or raises
     PrefixCacheFileError."""
@@ -264,3 +358,34 @@ def test_the_cli_notes_an_unreadable_file_and_leaves_it_unchanged(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "note: not using the prefix cache (left unchanged)" in r.stderr and "Traceback" not in r.stderr
     assert store.read_bytes() == b"\x00\x01 not a safetensors file"
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "proc", "a-directory"])
+def test_an_unwritable_prefix_cache_path_is_refused_before_loading_the_model(tmp_path, monkeypatch, capsys, where):
+    """`--prefix-cache` under a regular file, in /proc, or naming a directory: one `error:` line naming the
+    path, exit 2, before the model is loaded (so no generation is wasted)."""
+    import os
+
+    import hybrid.loading
+    from hybrid import cli
+
+    (tmp_path / "afile").write_text("x")
+    path = {"under-a-file": tmp_path / "afile" / "pc.st", "proc": "/proc/pc.st", "a-directory": tmp_path}[where]
+    if where == "proc" and not os.path.isdir("/proc"):
+        pytest.skip("no /proc")
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(hybrid.loading, "load", no_load)
+    assert cli.main(["generate", str(tmp_path), "--prompt", "hi", "--prefix-cache", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --prefix-cache: ") and err.count("\n") == 1 and str(path) in err, err
+    assert "Traceback" not in err
+
+
+def test_a_missing_prefix_cache_directory_is_created(tmp_path):
+    from hybrid.atomic import check_writable
+
+    assert check_writable(tmp_path / "new" / "sub" / "pc.st") == (tmp_path / "new" / "sub" / "pc.st").resolve()
+    assert (tmp_path / "new" / "sub").is_dir() and list((tmp_path / "new" / "sub").iterdir()) == []

@@ -142,3 +142,69 @@ def test_info_names_the_formats_of_a_quantized_checkpoint(src, tmp_path):
     assert "GiB, float32)" in run("info", str(src)).stdout  # an unquantized checkpoint: its dtype
     assert json.loads(run("info", str(src), "--format", "nvfp4", "--dtype", "bf16", "--json").stdout)["storage"] == \
         "NVFP4 + bfloat16 rest"
+
+
+def test_a_full_disk_during_quantize_is_one_error_line_and_leaves_the_destination(src, tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own SafetensorError: the CLI says so in one line (exit 1),
+    the existing destination is as it was and no temporary directory is left."""
+    from safetensors import SafetensorError
+
+    import hybrid.checkpoint_writer
+    from hybrid.cli import main
+
+    dst = tmp_path / "out"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("old")
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                              'message: "No space left on device" })')
+
+    monkeypatch.setattr(hybrid.checkpoint_writer, "save_file", full)
+    assert main(["quantize", str(src), str(dst), "--format", "fp8", "--overwrite", "--calibration-samples", "0"]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("error")]  # past the bar
+    assert len(errors) == 1 and errors[0].startswith(f"error: writing {dst} failed"), err
+    assert "No space left on device" in errors[0] and "left as it was" in errors[0] and "Traceback" not in err
+    assert sorted(p.name for p in dst.iterdir()) == ["keep.txt"] and (dst / "keep.txt").read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("missing", "no such file"), ("directory", "is a directory"), ("not-utf8", "not UTF-8 text (byte 0xff"),
+    ("empty", "the file is empty"), ("blank", "the file is empty")])
+def test_a_bad_calibration_file_is_refused_before_any_work(src, tmp_path, monkeypatch, capsys, kind, expected):
+    """One `error:` line naming --calibration-file and the file, exit 2, nothing created, no work started."""
+    from hybrid import calibration, quantize
+    from hybrid.cli import main
+
+    path = tmp_path / "calib.txt"
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "not-utf8":
+        path.write_bytes(b"good text \xff\xfe")
+    elif kind in ("empty", "blank"):
+        path.write_text("" if kind == "empty" else " \n\t\n")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the calibration file was checked")
+
+    monkeypatch.setattr(calibration, "calibration_batches", no_work)
+    monkeypatch.setattr(quantize, "quantize_checkpoint", no_work)
+    dst = tmp_path / "new" / "out"
+    assert main(["quantize", str(src), str(dst), "--format", "fp8", "--calibration-file", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --calibration-file {path}: {err.split(': ', 2)[2]}" and expected in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "new").exists()
+
+
+def test_negative_calibration_samples_are_refused(src, tmp_path, capsys):
+    from hybrid.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["quantize", str(src), str(tmp_path / "out"), "--format", "fp8", "--calibration-samples", "-1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--calibration-samples: must be a non-negative integer, got -1" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

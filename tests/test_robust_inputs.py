@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 
 import pytest
@@ -165,3 +166,134 @@ def test_sampled_ids_lie_in_the_kept_set(logits, temperature, top_k, top_p, seed
     kept = allowed(row, params)
     assert draws <= kept, (draws - kept, kept)
     assert all(0 <= i < len(logits) for i in draws) and not math.isnan(row.sum())
+
+
+# ---------------------------------------------------------------------------------- new-user trial faults
+VOCAB_RE = r"\[0, 320\)"
+
+
+@pytest.mark.parametrize("limit", [10**9, 2**31, 10**12, 10**22])
+def test_huge_max_new_tokens_runs_until_a_stop(loaded, limit):
+    """The KV cache is not reserved for the whole limit up front: generation runs until a stop id."""
+    model, _ = loaded
+    (c,) = generate_ids(model, [[5, 6]], max_new_tokens=limit, stop_ids=list(range(320)))
+    assert len(c.token_ids) == 1 and c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("bad", [2.5, True, "3", None, 0, -4])
+def test_max_new_tokens_must_be_a_positive_int(loaded, bad):
+    model, tok = loaded
+    message = rf"max_new_tokens must be an integer >= 1, got {re.escape(repr(bad))}"
+    with pytest.raises(ValueError, match=message):
+        generate_ids(model, [[5, 6]], max_new_tokens=bad)
+    with pytest.raises(ValueError, match=message):
+        hybrid.generate(model, tok, "hi", max_new_tokens=bad)
+
+
+def test_past_max_position_embeddings_is_noted_once(tmp_path):
+    model, _ = hybrid.load(write_checkpoint(tmp_path, "M*E-", seed=1, max_position_embeddings=8), progress=False)
+    with pytest.warns(UserWarning, match=r"max_position_embeddings \(8\)") as notes:
+        (c,) = generate_ids(model, [[5, 6, 7, 8, 9]], max_new_tokens=10)
+    assert len(c.token_ids) == 10 and c.finish_reason == "length"
+    assert len([n for n in notes if "max_position_embeddings" in str(n.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate_ids(model, [[5, 6]], max_new_tokens=6)  # 8 positions: within the limit, no note
+
+
+@pytest.mark.parametrize("bad, what", [
+    (2**63, r"token id 9223372036854775808 \(prompts\[1\]\[1\]\) is outside the model's vocabulary: ids must lie in "
+            + VOCAB_RE),
+    (-2**70, r"token id -1180591620717411303424 \(prompts\[1\]\[1\]\) is outside the model's vocabulary"),
+    (3.5, r"prompts\[1\]\[1\] must be a Python int token id in " + VOCAB_RE + r" \(config.vocab_size\), got 3.5"),
+    (True, r"prompts\[1\]\[1\] must be a Python int token id in " + VOCAB_RE + r" \(config.vocab_size\), got True"),
+    ("7", r"prompts\[1\]\[1\] must be a Python int token id in " + VOCAB_RE + r" \(config.vocab_size\), got '7'"),
+    (None, r"prompts\[1\]\[1\] must be a Python int token id in " + VOCAB_RE + r" \(config.vocab_size\), got None"),
+])
+def test_prompt_ids_are_checked_at_the_entry(loaded, bad, what):
+    model, _ = loaded
+    with pytest.raises(ValueError, match=what):
+        generate_ids(model, [[5, 6], [5, bad]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("prompts, what", [
+    ([], r"prompts must be a non-empty list of token id lists"),
+    ("hello", r"prompts must be a non-empty list of token id lists, got 'hello'"),
+    ([[5], []], r"prompts\[1\] is empty"),
+    ([[5], 6], r"prompts\[1\] must be a list of token ids, got 6"),
+    ([[5], "ab"], r"prompts\[1\] must be a list of token ids, got 'ab'"),
+])
+def test_prompt_lists_are_checked_at_the_entry(loaded, prompts, what):
+    model, _ = loaded
+    with pytest.raises(ValueError, match=what):
+        generate_ids(model, prompts, max_new_tokens=2)
+
+
+def test_forward_refuses_no_tokens_and_a_mask_that_is_not_0_1(loaded):
+    model, _ = loaded
+    with pytest.raises(ValueError, match=r"input_ids has no tokens \(shape \(1, 0\)\)"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_mask must hold only 0 and 1 \(or True and False\), got 2"):
+        model(torch.tensor([[5, 6]]), attention_mask=torch.tensor([[1, 2]]))
+    with pytest.raises(ValueError, match=r"attention_mask must hold only 0 and 1 \(or True and False\), got -1"):
+        model(torch.tensor([[5, 6]]), attention_mask=torch.tensor([[-1, 1]]))
+    ok = model(torch.tensor([[5, 6]]), attention_mask=torch.tensor([[0, 1]]))
+    torch.testing.assert_close(ok[:, -1], model(torch.tensor([[6]]))[:, -1], atol=2e-5, rtol=1e-5)
+
+
+def test_text_prompts_that_are_not_str_or_not_utf8(loaded):
+    model, tok = loaded
+    with pytest.raises(ValueError, match=r"prompts\[1\] is not valid UTF-8: byte 0xff at character 1"):
+        hybrid.generate(model, tok, ["ok", "a\udcffb"], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompts\[0\] is not valid UTF-8: character '\\ud800' at character 0"):
+        hybrid.generate(model, tok, "\ud800", max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a str, got bytes b'hi'"):
+        hybrid.generate(model, tok, [b"hi"], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"prompts must be a str or a list of str, got 5"):
+        hybrid.generate(model, tok, 5, max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompts must be a non-empty list"):
+        hybrid.generate(model, tok, [], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature="0.7"), "temperature must be a finite number >= 0, got '0.7'"),
+    (dict(temperature=True), "temperature must be a finite number >= 0, got True"),
+    (dict(seed="1"), r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got '1'"),
+    (dict(seed=True), r"seed must be an integer in \[-2\*\*63, 2\*\*64\), got True"),
+    (dict(top_k=True), "top_k must be a positive integer, or 0 or -1 for no limit, got True"),
+    (dict(top_k="5"), "top_k must be a positive integer, or 0 or -1 for no limit, got '5'"),
+    (dict(top_p="0.9"), r"top_p must be in \(0, 1\], got '0.9'"),
+    (dict(top_p=True), r"top_p must be in \(0, 1\], got True"),
+])
+def test_sampling_types_are_named_with_repr(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"temperature": 1.0}, r"sampling must be a SamplingParams or a list of one per row, got dict"),
+    ("greedy", r"sampling must be a SamplingParams or a list of one per row, got str"),
+    ([SamplingParams(), {"temperature": 1.0}], r"sampling\[1\] must be a SamplingParams, got dict"),
+    ([SamplingParams()] * 3, r"3 sampling parameter sets for 1 rows"),
+])
+def test_sampling_argument_type_is_checked(loaded, bad, message):
+    model, _ = loaded
+    with pytest.raises(ValueError, match=message):
+        generate_ids(model, [[5, 6]], max_new_tokens=2, sampling=bad)
+
+
+def test_a_seeded_params_object_reproduces_in_every_call(loaded):
+    model, _ = loaded
+    params = SamplingParams(temperature=1.5, seed=1)
+    first = generate_ids(model, [[5, 6]], max_new_tokens=16, sampling=params)[0].token_ids
+    second = generate_ids(model, [[5, 6]], max_new_tokens=16, sampling=params)[0].token_ids
+    assert first == second
+    assert first == generate_ids(model, [[5, 6]], max_new_tokens=16,
+                                 sampling=SamplingParams(temperature=1.5, seed=1))[0].token_ids
+    rows = [SamplingParams(temperature=1.5, seed=1), SamplingParams(temperature=1.5, seed=7)]
+    together = generate_ids(model, [[5, 6], [9, 10, 11]], max_new_tokens=16, sampling=rows)
+    again = generate_ids(model, [[5, 6], [9, 10, 11]], max_new_tokens=16, sampling=rows)
+    assert [c.token_ids for c in together] == [c.token_ids for c in again]
+    assert together[0].token_ids == first  # a row's tokens do not depend on its batch
+    alone = generate_ids(model, [[9, 10, 11]], max_new_tokens=16, sampling=rows[1])[0].token_ids
+    assert together[1].token_ids == alone

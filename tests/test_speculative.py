@@ -132,3 +132,13 @@ def test_mtp_step_on_a_cache_equals_the_uncached_block(model):
         first, _ = model.mtp_step(hidden[:, :6], next_ids[:, :6], mtp_cache)
         second, _ = model.mtp_step(hidden[:, 6:], next_ids[:, 6:], mtp_cache)
     assert torch.allclose(torch.cat([first, second], dim=1), full, atol=1e-5)
+
+
+def test_a_huge_max_new_tokens_is_not_reserved_up_front():
+    """The caches are reserved for at most `RESERVE_AHEAD` new tokens and grow past them: with 10**12 the
+    generation runs (to a stop id taken from a short run) instead of failing to allocate."""
+    model = make_model(seed=4)
+    short, _ = speculative_generate_ids(model, [5, 6, 7], max_new_tokens=4, num_draft=2)
+    stop = short.token_ids[2]
+    c, _ = speculative_generate_ids(model, [5, 6, 7], max_new_tokens=10**12, num_draft=2, stop_ids=[stop])
+    assert c.token_ids[-1] == stop and c.token_ids == short.token_ids[: len(c.token_ids)]

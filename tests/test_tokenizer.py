@@ -71,3 +71,45 @@ def test_tokens_from_lists_the_entries_past_an_id(tokdir):
     assert tok.tokens_from(318) == {318: tok._tok.id_to_token(318), 319: tok._tok.id_to_token(319)}
     assert tok.tokens_from(320) == {} and list(tok.tokens_from(0))[:5] == [0, 1, 2, 3, 4]
     assert tok.tokens_from(0)[4] == "<|im_end|>"
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ 1/0 }}", "ZeroDivisionError: division by zero"),  # before: a ZeroDivisionError traceback
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recurses too deeply (RecursionError)"),
+    ('{{ "%d"|format("x") }}', "TypeError: %d format: a real number is required, not str"),
+    ("{{ range(10**9)|list }}", "Range too big"),  # before: OverflowError from the sandbox
+    ("{{ range(200000)|list|length }}", "MAX_RANGE (100000)"),  # jinja2's own limit is 100,000,000
+    ("{{ 'ab' * 100000000 }}", "exceeds the limit of 16,777,216"),  # before: tokenizers panicked (exit 134)
+    ("{{ [1] * 100000000 }}", "exceeds the limit of 16,777,216"),
+    ("{{ 10 ** 100000000 }}", "is too large"),
+    ("{% for i in range(3000) %}{{ 'x' * 10000 }}{% endfor %}", "rendered 30,000,000 characters, more than the limit"),
+    ("{% if false %}x{% endif %}", "rendered an empty string"),  # before: "prompts must be a non-empty list ..."
+    ("{% for %}", "chat template failed: "),  # a syntax error
+])
+def test_template_failures_name_the_file_and_the_exception(tokdir, template, message):
+    (tokdir / "chat_template.jinja").write_text(template)
+    tok = Tokenizer.from_dir(tokdir)
+    with pytest.raises(ValueError) as info:
+        tok.encode_chat([{"role": "user", "content": "x"}])
+    assert str(info.value).startswith(f"{tokdir / 'chat_template.jinja'}: chat template ")
+    assert message in str(info.value)
+
+
+def test_template_from_tokenizer_config_is_named(tokdir):
+    config = json.loads((tokdir / "tokenizer_config.json").read_text())
+    (tokdir / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ 1/0 }}"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config.json \(`chat_template`\): chat template failed: "
+                                         "ZeroDivisionError"):
+        Tokenizer.from_dir(tokdir).apply_chat_template([])
+
+
+def test_generate_chat_with_a_failing_template_is_one_clear_error(tmp_path, capsys):
+    from hybrid.cli import main
+    from tiny_checkpoint import write_checkpoint
+
+    d = write_checkpoint(tmp_path, "M*E-", seed=1)
+    (d / "chat_template.jinja").write_text("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")
+    rc = main(["generate", str(d), "--prompt", "hi", "--chat", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "Traceback" not in err
+    assert f"{d / 'chat_template.jinja'}: chat template failed: it recurses too deeply" in err
