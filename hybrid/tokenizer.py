@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import reprlib
 from datetime import datetime
 from pathlib import Path
 
@@ -122,6 +123,9 @@ class Tokenizer:
         elif isinstance(tok_config.get("chat_template"), list):  # named templates: take "default"
             template = next((t["template"] for t in tok_config["chat_template"] if isinstance(t, dict)
                              and t.get("name") == "default" and isinstance(t.get("template"), str)), None)
+        elif tok_config.get("chat_template") is not None:
+            raise CheckpointError(f"{directory / 'tokenizer_config.json'}: `chat_template` must be a string or a "
+                                  f"list of {{name, template}} objects, got {reprlib.repr(tok_config['chat_template'])}")
 
         generation_path = directory / "generation_config.json"
         stop = set(config_eos or []) | set(_ids(_checked(generation, "eos_token_id", generation_path)))

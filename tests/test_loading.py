@@ -368,6 +368,8 @@ ID = "a token id (an integer in [0, 2^31))"  # as config.json checks it (`hybrid
     ("generation_config.json", '{"x": ' + "1" * 5000 + "}", "not valid JSON (Exceeds the limit (4300 digits)"),
     ("tokenizer_config.json", b'{"x": "\xff"}', "not valid JSON ("),
     ("chat_template.jinja", b"{{ '\xff' }}", "not valid UTF-8 ("),
+    ("tokenizer_config.json", '{"chat_template": 5}', "`chat_template` must be a string or a list of {name, template} "
+                                                     "objects, got 5"),  # before: "no chat template" at use
 ])
 def test_tokenizer_files_with_bad_values(single, tmp_path, name, content, message):
     """Before: ValueError / TypeError from int(), RecursionError, UnicodeDecodeError, not CheckpointError."""
@@ -416,6 +418,16 @@ def test_crafted_hf_quant_config(single, tmp_path, content, message):
     with pytest.raises(CheckpointError) as info:
         hybrid.load_model(d, progress=False)
     assert f"{d / 'hf_quant_config.json'}: {message}" in str(info.value)
+
+
+@pytest.mark.parametrize("exclude", [[1, 2], "lm_head", [["lm_head"]]])
+def test_exclusions_that_are_not_name_patterns(single, tmp_path, exclude):
+    """Before: [1, 2] passed `info` and failed later inside fnmatch with a misleading TypeError."""
+    d = _copy(single, tmp_path)
+    (d / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "FP8", "exclude_modules": exclude}}))
+    with pytest.raises(CheckpointError, match="exclude_modules must be a list of module name patterns"):
+        hybrid.load_model(d, progress=False)
 
 
 CT_GROUP = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block", "dynamic": False}}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import reprlib
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
 from pathlib import Path
@@ -189,8 +190,9 @@ class QuantConfig:
         exclude = q.get("exclude_modules" if nested else "ignore", q.get("exclude_modules", []))
         if exclude is None:
             exclude = []
-        if not isinstance(exclude, list):
-            raise QuantConfigError(f"{source}: exclude_modules must be a list, got {type(exclude).__name__}")
+        if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
+            raise QuantConfigError(f"{source}: exclude_modules must be a list of module name patterns (strings), "
+                                   f"got {reprlib.repr(exclude)}")
         kv = q.get("kv_cache_quant_algo")
         if not nested and isinstance(q.get("kv_cache_scheme"), dict):
             scheme = q["kv_cache_scheme"]
@@ -218,8 +220,9 @@ class QuantConfig:
         if not isinstance(groups, dict) or not groups:
             raise QuantConfigError(f"{source}: compressed-tensors config needs a non-empty 'config_groups' object")
         ignore = block.get("ignore") or []
-        if not isinstance(ignore, list):
-            raise QuantConfigError(f"{source}: 'ignore' must be a list")
+        if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
+            raise QuantConfigError(f"{source}: 'ignore' must be a list of module names or re: patterns (strings), "
+                                   f"got {reprlib.repr(ignore)}")
         kv = block.get("kv_cache_scheme")
         kv = "FP8" if isinstance(kv, dict) and kv.get("type") == "float" and kv.get("num_bits") == 8 else None
         qc = cls("compressed-tensors", source, kv_cache=kv, exclude=[str(p) for p in ignore])
