@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 PREFILL_CHUNK_SIZE = 512
 
 
-
 class _PositionNote:
     """One `UserWarning` per generation call when the sequence passes the config's max_position_embeddings
     (vLLM refuses past max_model_len; without positional encoding a note is enough)."""
