@@ -59,7 +59,7 @@ def _generate(args) -> int:
             return 2
     with warnings.catch_warnings(record=True) as notes:  # load-time notes (e.g. tokens past the vocabulary)
         warnings.simplefilter("always")
-        model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant)
+        model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant, mmap=args.mmap)
     for n in notes:
         print(f"note: {n.message}", file=sys.stderr)
     if args.speculative and model.mtp is None:
@@ -354,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set with probability >= p")
     g.add_argument("--seed", type=_seed, default=None, help="seed of the sampler")
     g.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
+    g.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep bf16 weights as views of the checkpoint's memory map (default); --no-mmap copies "
+                        "them into the process, safe from eviction by the page cache (llama.cpp's --no-mmap)")
     g.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")

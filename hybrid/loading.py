@@ -84,6 +84,7 @@ def load_model(
     act_quant: bool = False,
     prepack: bool = True,
     progress: bool = True,
+    mmap: bool = True,
 ) -> HybridForCausalLM:
     """Load a checkpoint directory (or hub repo id) into a `HybridForCausalLM` in eval mode.
 
@@ -99,6 +100,11 @@ def load_model(
             eager `F.linear`). The model is then for inference only; pass False to keep plain `nn.Linear`
             modules (to quantize or train it).
         progress: a progress bar on stderr when loading takes more than 2 s.
+        mmap: where prepacking keeps bf16 matrices as they are in the file (the plain form), keep them as
+            views of the read-only memory map (the default: no copy, the page cache and the model share one,
+            as llama.cpp maps its GGUF); False copies them into the process's own memory (llama.cpp's
+            `--no-mmap`), which the OS cannot evict under page-cache pressure (other large files read
+            meanwhile), at the cost of the copy at load.
     Raises:
         ConfigError: config.json unreadable or invalid (names the file and field).
         CheckpointError: missing shard, missing / unused tensor, shape mismatch, pickled weights, an
@@ -117,14 +123,14 @@ def load_model(
             raise CheckpointError(f"quantized checkpoint: {e}") from None
         register_kv_scales(model, quant, files)
     prepack = prepack and model.dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16.available()
-    load_weights(model, files, device, prepack=prepack, progress=progress)
+    load_weights(model, files, device, prepack=prepack, progress=progress, mmap=mmap)
     del files  # unmaps the checkpoint
     model.source_dir = Path(directory).resolve()  # save_checkpoint's default `source`: never saved onto
     return model.eval()
 
 
 def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str | torch.device = "cpu",
-                 prepack: bool = False, progress: bool = False) -> None:
+                 prepack: bool = False, progress: bool = False, mmap: bool = True) -> None:
     """Fill every parameter and buffer of `model` (built on meta) from `files`, strictly.
 
     prepack: the bf16 linears and expert banks `moe.prepack.prepackable` names are packed (`moe.quant.kernels.bf16`)
@@ -148,7 +154,7 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
     with tqdm(total=total, unit="B", unit_scale=True, desc="load", delay=2, disable=not progress) as bar:
         loaded, _, _ = read_tensors(targets, files, device, model)
         bar.update(sum(files.nbytes(s) for n in targets for s in sources[n]))
-        packed = {name: _packed(name, m, files, model, sources, bar) for name, m in packable.items()}
+        packed = {name: _packed(name, m, files, model, sources, bar, mmap) for name, m in packable.items()}
     if tied:
         loaded["lm_head.weight"] = loaded.get("backbone.embeddings.weight")
         if "lm_head.weight" in files:
@@ -204,16 +210,16 @@ def _check_all(model: HybridForCausalLM, files: CheckpointFiles, sources: dict[s
 
 
 def _packed(name: str, module: nn.Module, files: CheckpointFiles, model: HybridForCausalLM,
-            sources: dict[str, list[str]], bar) -> nn.Module:
+            sources: dict[str, list[str]], bar, mmap: bool = True) -> nn.Module:
     """The prepacked form of meta module `name`, packed from the files one matrix at a time (each read as a
-    bf16 view of the map or a converted copy, packed, its pages released)."""
+    bf16 view of the map, or a copy without `mmap` or for another dtype, packed, its pages released)."""
 
     def read(source: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A bf16 file tensor as a view of the memory map (packed straight from it, then its pages
-        released: no temporary copy), converted copies for other dtypes."""
+        released: no temporary copy) or, without `mmap`, a copy of it; converted copies for other dtypes."""
         bar.update(files.nbytes(source))
         if files.dtype(source) == torch.bfloat16:
-            return files.view(source)
+            return files.view(source) if mmap else files.view(source).clone()
         return read_tensor(files, source, shape, torch.bfloat16, model)
 
     if isinstance(module, nn.Linear):
@@ -362,6 +368,7 @@ def load(
     act_quant: bool = False,
     prepack: bool = True,
     progress: bool = True,
+    mmap: bool = True,
 ):
     """Load a model and its tokenizer: `(HybridForCausalLM, Tokenizer)`.
 
@@ -375,7 +382,7 @@ def load(
     from hybrid.tokenizer import Tokenizer
 
     directory = resolve_checkpoint(path_or_repo, revision)
-    model = load_model(directory, dtype, device, act_quant=act_quant, prepack=prepack, progress=progress)
+    model = load_model(directory, dtype, device, act_quant=act_quant, prepack=prepack, progress=progress, mmap=mmap)
     tokenizer = Tokenizer.from_dir(directory, config_eos=model.config.eos_token_ids, config_pad=model.config.pad_token_id)
     vocab = model.config.vocab_size
     extra = tokenizer.tokens_from(vocab)

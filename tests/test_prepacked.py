@@ -213,3 +213,25 @@ def test_plain_form_weights_stay_views_of_the_checkpoint(checkpoint, tmp_path):
     ids = torch.randint(3, ck.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         assert torch.equal(model(ids), source(ids))
+
+
+def test_without_mmap_the_weights_are_the_process_own(checkpoint, tmp_path):
+    """`mmap=False` (llama.cpp's --no-mmap): every prepacked weight is a copy in the process's memory (a
+    storage of its own, as big as the tensor), and the model computes exactly what the mapped one does."""
+    if bf16.plain_kernel() is None:
+        pytest.skip("the bf16 dot-product kernel is not built for this CPU")
+    ck = checkpoint("all4_ng2_gqa4_c8")
+    hybrid.save_checkpoint(hybrid.load_model(ck.directory, dtype="bf16", prepack=False), tmp_path / "bf16")
+    mapped, copied = hybrid.load_model(tmp_path / "bf16"), hybrid.load_model(tmp_path / "bf16", mmap=False)
+
+    def stored(model):
+        return [m.packed for m in model.modules() if isinstance(m, PrepackedLinear)] + [
+            w for m in model.modules() if isinstance(m, PrepackedExpertBank) for w in m.up + m.down]
+
+    assert all(not t.untyped_storage().resizable() for t in stored(mapped))
+    assert stored(copied) and all(t.untyped_storage().resizable()
+                                  and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                                  for t in stored(copied))
+    ids = torch.randint(3, ck.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        assert torch.equal(mapped(ids), copied(ids))
