@@ -35,6 +35,12 @@ def file_mode() -> int:
     return 0o666 & ~umask()
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The outermost ancestor of `path` that exists and is not a directory (so nothing can be created below
+    it), or None."""
+    return next((p for p in reversed(path.parents) if p.exists() and not p.is_dir()), None)
+
+
 def check_writable(path: str | os.PathLike) -> Path:
     """Check, before any work, that `path` can be written by `atomic_path`: it is not a directory, its
     directory exists or can be created (missing ones are created, as `atomic_path` would) and a file can be
@@ -50,7 +56,7 @@ def check_writable(path: str | os.PathLike) -> Path:
     target = Path(os.path.realpath(given))
     if target.is_dir():
         raise IsADirectoryError(f"{given} is a directory, not a file to write")
-    blocking = next((p for p in reversed(target.parents) if p.exists() and not p.is_dir()), None)
+    blocking = file_in_the_way(target)
     if blocking is not None:
         raise NotADirectoryError(f"{given} cannot be written: {blocking} is a file, not a directory")
     try:

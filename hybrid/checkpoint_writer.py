@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from hybrid.atomic import umask
+from hybrid.atomic import file_in_the_way, umask
 from hybrid.checkpoint_files import INDEX_NAME, SINGLE_NAME
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx")
@@ -94,7 +94,7 @@ def _temp_dir(destination: Path) -> tuple[Path, list[Path]]:
         WriteError: the parent cannot be created or written (the message names the path in the way).
     """
     dst = Path(destination).expanduser().resolve()
-    blocking = next((p for p in reversed(dst.parents) if p.exists() and not p.is_dir()), None)
+    blocking = file_in_the_way(dst)
     if blocking is not None:
         raise WriteError(f"{destination} cannot be created: {blocking} is a file, not a directory")
     created = [p for p in dst.parents if not p.exists()]  # deepest first
