@@ -37,6 +37,13 @@ def check_prompts(prompts, vocab_size: int) -> None:
                 raise ValueError(outside_vocabulary(int(t), f"prompts[{row}][{pos}]", vocab_size))
 
 
+def check_max_new_tokens(n) -> int:
+    """`n` as an int, or ValueError unless it is an integer >= 1 (a bool is refused)."""
+    if not (isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r:.80}")
+    return int(n)
+
+
 def outside_vocabulary(token: int, where: str, vocab_size: int) -> str:
     """The message for a token id the embedding cannot look up (one wording for every entry)."""
     return (f"token id {token} ({where}) is outside the model's vocabulary: ids must lie in [0, {vocab_size}) "

@@ -14,6 +14,13 @@ The layers reach their state only through `Cache.layer(i)`, which gives
 The prefix cache uses only `snapshot_kv`, `snapshot_mamba` and `restore` (per row: the keys and values over a
 token range, the Mamba states at the row's end).
 
+Packing: a forward may instead carry the new tokens of several sequences one after another in a single row
+(`StepContext.packed`, a `PackedSeqs`; the serving engine's `hybrid.serving.paged_cache.PagedCache`), with no
+padding at all. The projections then run once over every token; the layers split the row into its sequences
+only for what couples tokens of one sequence (attention, the conv window, the SSM recurrence), and reach
+each sequence's state through `handle.seq(s)`, which gives the same per-sequence handles as above (an
+attention handle with `update`, a `MambaState` of batch 1 viewing the sequence's slot, updated in place).
+
 Padding: a forward may carry a `[B, T]` mask of real tokens. Masked positions are "not there": they never
 reach a Mamba state (dt = 0, the conv window skips them) and attention never attends to them. The cache
 keeps the mask of every position it holds (`key_mask`) so later steps keep ignoring them. Positions carry
@@ -37,6 +44,25 @@ RESERVE_AHEAD = 4096
 
 
 @dataclass
+class PackedSeqs:
+    """Several sequences' new tokens packed one after another in one row (input [1, sum(lengths)]).
+
+    lengths: new tokens of each sequence, in packed order (each >= 1).
+    past: positions each sequence already holds in its state before this forward.
+    """
+
+    lengths: list[int]
+    past: list[int]
+
+    def segments(self):
+        """(sequence index, start, end) of each sequence's tokens in the packed row."""
+        start = 0
+        for s, n in enumerate(self.lengths):
+            yield s, start, start + n
+            start += n
+
+
+@dataclass
 class StepContext:
     """What the layers of one forward need to know about the tokens they see.
 
@@ -44,12 +70,19 @@ class StepContext:
     mask: [B, T] bool, True for real tokens, or None when every token is real.
     key_mask: [B, past + T] bool over every position attention may look at, or None when all are real.
     record: the Mamba layers keep their state after each token (see `Cache.rollback`).
+    packed: the sequences packed in the single row of this forward (see the module docstring), or None;
+        then `past`, `mask` and `key_mask` are 0, None and None, and each sequence's own past is in `packed`.
     """
 
     past: int
     mask: torch.Tensor | None
     key_mask: torch.Tensor | None
     record: bool = False
+    packed: PackedSeqs | None = None
+
+    def for_sequence(self, s: int) -> "StepContext":
+        """The context of packed sequence `s` alone (its own past, no padding)."""
+        return StepContext(past=self.packed.past[s], mask=None, key_mask=None)
 
 
 @dataclass

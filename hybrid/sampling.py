@@ -150,6 +150,7 @@ class Completion:
     text: the decoded continuation without special tokens and without the stop token.
     finish_reason: "stop" (a stop id was produced) or "length" (`max_new_tokens` reached).
     acceptance_rate: with speculative decoding, the share of drafted tokens the model accepted.
+    cached_tokens: prompt tokens taken from a prefix cache instead of computed.
     prefill_seconds / decode_seconds: wall time of the batch's prefill (up to the first token) and of the
     decode steps after it; the rates count this row's tokens.
     """
@@ -161,6 +162,7 @@ class Completion:
     decode_seconds: float
     text: str = ""
     acceptance_rate: float | None = None
+    cached_tokens: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float:

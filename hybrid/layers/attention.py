@@ -52,19 +52,31 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None, kv: KVCache | None = None) -> torch.Tensor:
+        """`kv`: this layer's handle from `Cache.layer` (for a packed forward, `kv.seq(s)` gives sequence
+        `s`'s), or None without a cache."""
         b, T, _ = x.shape
         q = self.q_proj(x).view(b, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if ctx is None:
             ctx = StepContext(past=0, mask=None, key_mask=None)
+        if ctx.packed is None:
+            out = self._attend(q, k, v, ctx, kv)
+        else:  # each packed sequence attends to its own keys only
+            out = torch.cat([self._attend(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], ctx.for_sequence(s), kv.seq(s))
+                             for s, s0, s1 in ctx.packed.segments()], dim=2)
+        return self.o_proj(out.transpose(1, 2).reshape(b, T, self.num_heads * self.head_dim))
+
+    def _attend(self, q, k, v, ctx: StepContext, kv) -> torch.Tensor:
+        """Causal attention of q [b, nq, T, hd] over the cached keys and values plus k, v [b, nkv, T, hd]
+        (stored into `kv` first) -> [b, nq, T, hd]."""
+        T = q.shape[2]
         if kv is not None:
             k, v = kv.update(k, v, ctx.past)
-        mask = attention_mask(ctx, T, x.device)
+        mask = attention_mask(ctx, T, q.device)
         is_causal = mask is None and T > 1
         if self.num_kv_heads != self.num_heads and not _SDPA_HAS_GQA:  # torch 2.4
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
             v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
         gqa = {"enable_gqa": True} if _SDPA_HAS_GQA and self.num_kv_heads != self.num_heads else {}
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
-        return self.o_proj(out.transpose(1, 2).reshape(b, T, self.num_heads * self.head_dim))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)

@@ -52,13 +52,26 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=config.use_bias)
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None, state: MambaState | None = None) -> torch.Tensor:
+        """`state`: this layer's handle from `Cache.layer` (for a packed forward, `state.seq(s)` gives sequence
+        `s`'s `MambaState`, a view of its slot), or None without a cache."""
         b, T, _ = x.shape
         mask = ctx.mask if ctx is not None else None
-        record = state is not None and ctx is not None and ctx.record
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        if ctx is not None and ctx.packed is not None:  # the recurrences per sequence, each in its own slot
+            y = torch.cat([self._mix(xBC[:, s0:s1], dt[:, s0:s1], None, state.seq(s), False)
+                           for s, s0, s1 in ctx.packed.segments()], dim=1)
+        else:
+            y = self._mix(xBC, dt, mask, state, state is not None and ctx is not None and ctx.record)
+        y = self.norm(y.reshape(b, T, self.d_inner), z, out_dtype=x.dtype)
+        return self.out_proj(y)
 
+    def _mix(self, xBC: torch.Tensor, dt: torch.Tensor, mask: torch.Tensor | None, state: MambaState | None,
+             record: bool) -> torch.Tensor:
+        """Steps 2-4 of the module docstring: xBC [b, T, conv_dim], dt [b, T, nh] (raw) -> y [b, T, nh, p]
+        fp32 with the D skip, continuing and updating `state`."""
+        b, T, _ = xBC.shape
         if record:
             xBC, windows = self._conv_recorded(xBC, state)
         else:
@@ -85,9 +98,7 @@ class Mamba2Mixer(nn.Module):
             y, final = ssd_scan(xs, dt, A, B, C, self.chunk_size, None if state is None else state.ssm)
             if state is not None:
                 state.ssm.copy_(final)
-        y = y + self.D.float()[:, None] * xs.float()
-        y = self.norm(y.reshape(b, T, self.d_inner), z, out_dtype=x.dtype)
-        return self.out_proj(y)
+        return y + self.D.float()[:, None] * xs.float()
 
     def _conv_recorded(self, xBC: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The conv + SiLU one token at a time: (output [b, T, conv_dim], the window after each token).

@@ -1,0 +1,261 @@
+"""The serving engine: continuous batching of many requests over paged KV blocks and Mamba state slots.
+
+    engine = Engine(model, num_blocks=2048, max_num_seqs=16)
+    rid = engine.add_request(prompt_ids, SamplingParams(temperature=0.7, seed=1), max_tokens=64)
+    while engine.has_unfinished():
+        for out in engine.step():          # one forward over every running sequence
+            print(out.request_id, out.new_token_ids, out.finish_reason)
+
+Each `step` asks the scheduler (`hybrid.serving.scheduler`) which sequences run with how many tokens,
+packs all of their new tokens into one row with no padding (decode tokens and prompt chunks together), runs
+one forward on a `PagedCache` over the two pools (`BlockPool`, `StateSlots`), samples the next token of
+every sequence that reached its end with that request's own `SamplingParams` (its own seeded generator),
+and frees a request's blocks and slot the moment it finishes or is aborted. A request gives the same
+tokens as `hybrid.generate_ids` run on it alone (tests/test_engine.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from hybrid.batch import check_max_new_tokens, check_prompts
+from hybrid.model import HybridForCausalLM
+from hybrid.sampling import Completion, SamplingParams, for_call, sample
+from hybrid.serving.blocks import BlockPool
+from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
+from hybrid.serving import prefix_file
+from hybrid.serving.paged_cache import PagedCache, ScheduledSeq
+from hybrid.serving.prefix import DEFAULT_MAX_BYTES, DEFAULT_SNAPSHOT_INTERVAL, PrefixCaching
+from hybrid.serving.request import Request, RequestOutput, Status
+from hybrid.serving.scheduler import Scheduler
+from hybrid.serving.slots import StateSlots
+
+DEFAULT_NUM_BLOCKS = 2048
+DEFAULT_MAX_NUM_SEQS = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # tokens per forward (as generate's prefill chunk)
+
+
+@dataclass
+class StepStats:
+    """The last forward: sequences, tokens packed (every one a real token: there is no padding), and how
+    many of them were decode tokens."""
+
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_decode_tokens: int = 0
+
+
+class Engine:
+    """Continuous batching over one model (see the module docstring).
+
+    Args:
+        model: the model to serve (any dtype or packed format; its device holds the pools).
+        num_blocks: KV blocks in the pool, allocated at start (`block_size` tokens each, every attention
+            layer); sized from a memory budget by `hybrid.serving.capacity.plan`.
+        max_num_seqs: state slots and the most requests running at once.
+        max_num_batched_tokens: tokens per forward (decode tokens and prompt chunks together).
+        max_model_len: the most tokens (prompt and output) of one request; default and maximum: what the
+            KV pool holds (`num_blocks * block_size`), so every request fits the pool alone.
+        prefix_caching: share the KV blocks of common prefixes across requests and resume from Mamba
+            snapshots (`hybrid.serving.prefix`), taken every `snapshot_interval` prompt tokens and at each
+            prompt's end within `prefix_cache_bytes`.
+        grow: the KV pool grows (doubling) when it runs out instead of preempting, and requests have no
+            length limit: for one user's generation calls (`hybrid.prefix_cache.PrefixCache`), not a server.
+    Raises:
+        ValueError: a size below 1, max_model_len past what the pool holds, or a snapshot_interval that is
+            not a multiple of block_size.
+    """
+
+    def __init__(self, model: HybridForCausalLM, num_blocks: int = DEFAULT_NUM_BLOCKS,
+                 block_size: int = DEFAULT_BLOCK_SIZE, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                 max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len: int | None = None,
+                 prefix_caching: bool = False, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL,
+                 prefix_cache_bytes: int = DEFAULT_MAX_BYTES, grow: bool = False):
+        self.model = model
+        config = model.config
+        self.blocks = BlockPool(config, num_blocks, block_size, model.dtype, model.device)
+        self.slots = StateSlots(config, max_num_seqs, model.dtype, model.device)
+        pool_tokens = num_blocks * block_size
+        self.max_model_len = (None if grow else pool_tokens) if max_model_len is None else max_model_len
+        if self.max_model_len is not None and not (2 <= self.max_model_len and (grow or self.max_model_len <= pool_tokens)):
+            raise ValueError(f"max_model_len must be in [2, {pool_tokens}] (the tokens {num_blocks} KV blocks of "
+                             f"{block_size} hold), got {max_model_len}")
+        self.prefix = PrefixCaching(model.identity, self.blocks, snapshot_interval, prefix_cache_bytes) \
+            if prefix_caching else None
+        self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs, max_num_batched_tokens, self.prefix, grow)
+        self.cache = PagedCache(config, self.blocks, self.slots)
+        self.requests: dict[str, Request] = {}
+        self.last_step = StepStats()
+        self._arrivals = itertools.count()
+        self._times: dict[str, list[float]] = {}  # request id -> [added, first token, last token]
+
+    # ------------------------------------------------------------------------------------------ requests
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, max_tokens: int = 256,
+                    stop_ids=(), request_id: str | None = None) -> str:
+        """Queue a request; returns its id. A seeded `sampling` starts from its seed (`SamplingParams.fresh`),
+        so the same object gives the same tokens in every request.
+
+        Raises:
+            ValueError: a prompt that is not a non-empty list of int ids in the vocabulary, one of
+                `max_model_len` tokens or more (no room for a token to generate), max_tokens not an integer
+                >= 1, sampling not a `SamplingParams`, or a request id already in use.
+        """
+        check_prompts([prompt_ids], self.model.config.vocab_size)
+        vocab = self.model.config.vocab_size
+        for pos, t in enumerate(prompt_ids):
+            if not 0 <= t < vocab:
+                raise ValueError(f"token id {t} (prompt_ids[{pos}]) is outside the model's vocabulary: ids must lie "
+                                 f"in [0, {vocab}) (config.vocab_size)")
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this engine's max_model_len is "
+                             f"{self.max_model_len}, which leaves no room to generate")
+        max_tokens = check_max_new_tokens(max_tokens)
+        sampling = for_call(sampling, 1)
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        arrival = next(self._arrivals)
+        request_id = str(arrival) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, list(prompt_ids), sampling, max_tokens, frozenset(stop_ids), arrival)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self._times[request_id] = [time.perf_counter(), math.nan, math.nan]
+        return request_id
+
+    def reserve(self, num_seqs: int) -> None:
+        """Let `num_seqs` requests run at once (more state slots if needed)."""
+        self.slots.grow(num_seqs)
+        self.scheduler.max_num_seqs = max(self.scheduler.max_num_seqs, num_seqs)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a waiting or running request, freeing its blocks and slot now (a finished or unknown id is
+        ignored)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status is not Status.FINISHED:
+            self.scheduler.finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------------------------------ one step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one forward over the scheduled sequences; the new token of each request that produced one
+        (and the requests that finished, with why)."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            self.last_step = StepStats()
+            return []
+        self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n) for r, n in scheduled])
+        ids = [t for r, n in scheduled for t in r.all_ids[r.num_computed:r.num_computed + n]]
+        hidden = self.model.hidden_states(torch.tensor([ids], device=self.model.device), self.cache)[0]
+        self.last_step = StepStats(len(scheduled), len(ids), sum(n for r, n in scheduled if r.output_ids and n == 1))
+
+        ends, offset = [], 0
+        for r, n in scheduled:
+            offset += n
+            r.num_computed += n
+            if r.num_computed == r.num_tokens:
+                ends.append((r, offset - 1))
+        if self.prefix is not None:
+            self.prefix.after_step(scheduled, self.cache)
+        if not ends:
+            return []
+        logits = self.model.logits(hidden[[i for _, i in ends]])
+        now = time.perf_counter()
+        outputs = []
+        for j, (r, _) in enumerate(ends):
+            token = int(sample(logits[j:j + 1], r.sampling))
+            r.output_ids.append(token)
+            times = self._times[r.request_id]
+            if math.isnan(times[1]):
+                times[1] = now
+            times[2] = now
+            at_limit = self.max_model_len is not None and r.num_tokens >= self.max_model_len
+            reason = "stop" if token in r.stop_ids else "length" if len(r.output_ids) >= r.max_tokens or at_limit else None
+            if reason is not None:
+                self.scheduler.finish(r, reason)
+            outputs.append(RequestOutput(r.request_id, [token], reason is not None, reason, r.num_cached_tokens))
+        return outputs
+
+    # ------------------------------------------------------------------------------------------ prefix cache file
+    def save_prefix_cache(self, path) -> None:
+        """Write the prefix cache's named blocks and snapshots to `path` (`hybrid.serving.prefix_file`).
+
+        Raises:
+            ValueError: the engine was made without prefix_caching.
+        """
+        prefix_file.save(self._require_prefix(), path)
+
+    def load_prefix_cache(self, path) -> int:
+        """Add the blocks and snapshots saved in `path` (into free blocks, as many as fit); returns the
+        snapshots added.
+
+        Raises:
+            ValueError: the engine was made without prefix_caching.
+            PrefixCacheFileError: see `hybrid.serving.prefix_file.load` (nothing is added then).
+        """
+        return prefix_file.load(self._require_prefix(), self.slots, path, self.model.config.vocab_size,
+                                grow=self.scheduler.grow)
+
+    def _require_prefix(self) -> PrefixCaching:
+        if self.prefix is None:
+            raise ValueError("this engine was made without prefix_caching")
+        return self.prefix
+
+    # ------------------------------------------------------------------------------------------ batch use
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
+                 max_tokens: int = 256, stop_ids=(),
+                 on_tokens: Callable[[list[int | None]], None] | None = None) -> list[Completion]:
+        """Run `prompts` (token id lists) to completion together; one `Completion` per prompt, in order
+        (text empty). `sampling`: one for all (each request then draws from its own generator started at
+        its seed, as a server's per-request seed) or one per prompt. `on_tokens` is called after each step
+        that produced tokens, with each prompt's new token (None for the others)."""
+        check_prompts(prompts, self.model.config.vocab_size)
+        per = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(per) != len(prompts):
+            raise ValueError(f"{len(per)} sampling parameter sets for {len(prompts)} prompts")
+        ids = [self.add_request(p, s, max_tokens, stop_ids) for p, s in zip(prompts, per)]
+        row_of = {rid: row for row, rid in enumerate(ids)}
+        try:
+            while any(self.requests[i].status is not Status.FINISHED for i in ids):
+                outputs = self.step()
+                if on_tokens is not None and outputs:
+                    tokens: list[int | None] = [None] * len(ids)
+                    for out in outputs:
+                        if out.request_id in row_of:
+                            tokens[row_of[out.request_id]] = out.new_token_ids[0]
+                    on_tokens(tokens)
+            return [self.completion(i) for i in ids]
+        finally:
+            for i in ids:
+                self.abort(i)
+                self.release(i)
+
+    def completion(self, request_id: str) -> Completion:
+        """The `Completion` of a finished request (prefill time: from its arrival to its first token)."""
+        r = self.requests[request_id]
+        added, first, last = self._times[request_id]
+        return Completion(list(r.output_ids), r.finish_reason or "length", len(r.prompt_ids), first - added, last - first,
+                          cached_tokens=r.num_cached_tokens)
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (a server calls this once it has sent the result).
+
+        Raises:
+            ValueError: the request has not finished (abort it first).
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        if request.status is not Status.FINISHED:
+            raise ValueError(f"request {request_id!r} has not finished; abort it first")
+        del self.requests[request_id]
+        del self._times[request_id]

@@ -1,0 +1,159 @@
+"""`PagedCache`: the `hybrid.cache.Cache` of one engine step, over the server's KV blocks and state slots.
+
+Before each forward the engine names the sequences it packs (`PagedCache.schedule`: each one's block
+table, state slot, positions already computed and new tokens); the model's forward then sees one row of
+`sum(new tokens)` tokens with `StepContext.packed` set, and its layers reach each sequence's state through
+`Cache.layer(i).seq(s)`:
+- attention: `update(k, v, start)` writes the sequence's new keys and values into its blocks and returns
+  all of its keys and values [1, nkv, start + T, hd] (gathered from its block table);
+- Mamba: a batch-1 `MambaState` of views of the sequence's slot, updated in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybrid.cache import Cache, MambaState, PackedSeqs, StepContext
+from hybrid.config import ATTENTION, MAMBA, HybridConfig
+from hybrid.serving.blocks import BlockPool
+from hybrid.serving.slots import StateSlots
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence of a step: its block table (covering `past + num_tokens` positions), its state slot,
+    the positions already computed and the new tokens of this step."""
+
+    block_table: list[int]
+    slot: int
+    past: int
+    num_tokens: int
+
+
+class _SeqKV:
+    """One sequence's keys and values in one attention layer (the handle `Attention` uses)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor):
+        self.k, self.v, self.index = k, v, index  # pool views [num_blocks * block_size, nkv, hd]; flat positions
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v [1, nkv, T, hd] at positions [start, start+T); return the keys and values of
+        [0, start+T), [1, nkv, start+T, hd]."""
+        end = start + k.shape[2]
+        new = self.index[start:end]
+        self.k.index_copy_(0, new, k[0].transpose(0, 1))
+        self.v.index_copy_(0, new, v[0].transpose(0, 1))
+        every = self.index[:end]
+        return self.k[every].transpose(0, 1)[None], self.v[every].transpose(0, 1)[None]
+
+
+class _KVLayer:
+    def __init__(self, cache: "PagedCache", j: int):
+        self.cache, self.j = cache, j
+
+    def seq(self, s: int) -> _SeqKV:
+        blocks = self.cache.blocks
+        flat = (-1, blocks.k[self.j].shape[2], blocks.k[self.j].shape[3])
+        return _SeqKV(blocks.k[self.j].view(flat), blocks.v[self.j].view(flat), self.cache.position_index(s))
+
+
+class _MambaLayer:
+    def __init__(self, cache: "PagedCache", j: int):
+        self.cache, self.j = cache, j
+
+    def seq(self, s: int) -> MambaState:
+        return self.cache.slots.view(self.j, self.cache.seqs[s].slot)
+
+
+class PagedCache(Cache):
+    """The state of the sequences of one packed forward, in the pools `blocks` and `slots` (see the module
+    docstring). `batch_size` is 1 (one packed row); rows of `snapshot_*` / `restore` are the scheduled
+    sequences, by index.
+    """
+
+    def __init__(self, config: HybridConfig, blocks: BlockPool, slots: StateSlots):
+        self.blocks, self.slots = blocks, slots
+        self.batch_size, self.seq_len, self.key_mask = 1, 0, None
+        self.seqs: list[ScheduledSeq] = []
+        self._index: dict[int, torch.Tensor] = {}
+        self._layers = []
+        n_kv = n_mamba = 0
+        for kind in config.hybrid_override_pattern:
+            if kind == ATTENTION:
+                self._layers.append(_KVLayer(self, n_kv))
+                n_kv += 1
+            elif kind == MAMBA:
+                self._layers.append(_MambaLayer(self, n_mamba))
+                n_mamba += 1
+            else:
+                self._layers.append(None)
+
+    def schedule(self, seqs: list[ScheduledSeq]) -> PackedSeqs:
+        """Name the sequences of the next forward, in packed order.
+
+        Raises:
+            ValueError: a block table that does not cover a sequence's positions, or no sequences.
+        """
+        if not seqs:
+            raise ValueError("a step needs at least one sequence")
+        bs = self.blocks.block_size
+        for i, s in enumerate(seqs):
+            if s.num_tokens < 1 or len(s.block_table) * bs < s.past + s.num_tokens:
+                raise ValueError(f"sequence {i}: {len(s.block_table)} blocks of {bs} do not hold "
+                                 f"{s.past} + {s.num_tokens} positions")
+        self.seqs, self._index = list(seqs), {}
+        self.seq_len = sum(s.num_tokens for s in seqs)
+        return PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs])
+
+    def position_index(self, s: int, length: int | None = None) -> torch.Tensor:
+        """Flat pool indices (block * block_size + offset) of sequence `s`'s positions [0, past + new)."""
+        if s not in self._index:
+            seq, bs = self.seqs[s], self.blocks.block_size
+            pos = torch.arange(seq.past + seq.num_tokens)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            self._index[s] = (table[pos // bs] * bs + pos % bs).to(self.blocks.k[0].device if self.blocks.k else "cpu")
+        return self._index[s] if length is None else self._index[s][:length]
+
+    # ------------------------------------------------------------------------------------------ Cache
+    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None, record: bool = False) -> StepContext:
+        """The packed context of the scheduled sequences.
+
+        Raises:
+            ValueError: not one row of exactly the scheduled tokens, padding, or a recorded forward.
+        """
+        if batch_size != 1 or num_tokens != self.seq_len or mask is not None or record:
+            raise ValueError(f"a paged step takes one packed row of the {self.seq_len} scheduled tokens without "
+                             f"padding or recording, got [{batch_size}, {num_tokens}]")
+        return StepContext(past=0, mask=None, key_mask=None,
+                           packed=PackedSeqs([s.num_tokens for s in self.seqs], [s.past for s in self.seqs]))
+
+    def layer(self, i: int):
+        return self._layers[i]
+
+    def rollback(self, keep: int) -> None:
+        raise ValueError("a paged step is never recorded, so it cannot be rolled back")
+
+    def snapshot_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        seq = self.seqs[row]
+        if not 0 <= start <= end <= seq.past + seq.num_tokens:
+            raise ValueError(f"positions [{start}, {end}) are not within the {seq.past + seq.num_tokens} of sequence {row}")
+        index = self.position_index(row)[start:end]
+        return [(k.flatten(0, 1)[index].transpose(0, 1).clone(), v.flatten(0, 1)[index].transpose(0, 1).clone())
+                for k, v in zip(self.blocks.k, self.blocks.v)]
+
+    def snapshot_mamba(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.slots.read(self.seqs[row].slot)
+
+    def restore(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                mamba: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Write `kv` (per attention layer, [nkv, n, hd] for positions [length - n, length)) into row `row`'s
+        blocks and its Mamba states into its slot."""
+        if len(kv) != len(self.blocks.k):
+            raise ValueError(f"{len(kv)} attention layers' keys for {len(self.blocks.k)} attention layers")
+        for k_pool, v_pool, (k, v) in zip(self.blocks.k, self.blocks.v, kv):
+            index = self.position_index(row)[length - k.shape[1]:length]
+            k_pool.flatten(0, 1).index_copy_(0, index, k.transpose(0, 1))
+            v_pool.flatten(0, 1).index_copy_(0, index, v.transpose(0, 1))
+        self.slots.write(self.seqs[row].slot, mamba)

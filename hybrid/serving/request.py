@@ -1,0 +1,62 @@
+"""A request of the serving engine and what each step reports about it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from hybrid.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds a state slot and KV blocks
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    prompt_ids: the prompt's token ids; output_ids: the tokens generated so far.
+    num_computed: leading tokens of `prompt_ids + output_ids` whose keys, values and Mamba state are in the
+        request's blocks and slot (0 while waiting; a preempted request starts again from 0 or its prefix hit).
+    num_cached_tokens: prompt tokens taken from the prefix cache at its (last) admission.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop_ids: frozenset[int]
+    arrival: int
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    slot: int | None = None
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    block_hashes: list[str] = field(default_factory=list)  # prefix hashes of its full blocks, in order
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request: its new tokens (none or one per step) and, once it
+    finished, why ("stop": a stop id, included in `new_token_ids`; "length": max_tokens or the model length;
+    "abort": cancelled)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0

@@ -1,0 +1,159 @@
+"""The scheduler of the serving engine: which sequences run in the next forward, with how many tokens.
+
+Each step has a budget of `max_num_batched_tokens` tokens (vLLM's name), spent in this order:
+1. the running requests, oldest first: a decoding request takes one token; a request still prefilling its
+   prompt takes the next chunk (as much as the budget leaves; with prefix caching a chunk also ends at the
+   next multiple of the snapshot interval, where its Mamba state is snapshotted);
+2. then the waiting requests, first come first served, while a state slot is free, fewer than
+   `max_num_seqs` run, the budget lasts and the free KV blocks hold their first chunk. A request resumes from
+   its longest cached prefix (`hybrid.serving.prefix`) when admitted.
+
+**Preemption** (vLLM's recompute policy): when a running request needs a KV block and none is free, the
+youngest running request (the last admitted) is preempted: its blocks and slot are freed at once and it goes
+back to the front of the waiting queue with its generated tokens kept; readmitted, it recomputes prompt and
+output (its prefix-cache hit included) and goes on generating where it stopped, drawing from the same
+sampling generator, so its tokens are the ones it would have produced uninterrupted. Reserving each
+request's worst case up front was the alternative; it wastes the blocks of every request that stops early.
+Admission never preempts. Every request fits the pool alone (`max_model_len` <= the pool's tokens), so the
+oldest request always makes progress.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+from hybrid.serving.blocks import BlockPool
+from hybrid.serving.request import Request, Status
+from hybrid.serving.slots import StateSlots
+
+if TYPE_CHECKING:
+    from hybrid.serving.prefix import PrefixCaching
+
+
+class Scheduler:
+    """Waiting and running requests over one `BlockPool` and one `StateSlots` pool (see the module docstring).
+
+    grow: enlarge the block pool (doubling) instead of preempting or waiting when it runs out, and, while
+    the prefix cache is within its byte budget, instead of handing out blocks that hold cached prefixes:
+    for single-user generation (`hybrid.prefix_cache`), never for a server.
+    Raises:
+        ValueError: max_num_seqs or max_num_batched_tokens below 1.
+    """
+
+    def __init__(self, blocks: BlockPool, slots: StateSlots, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix: "PrefixCaching | None" = None, grow: bool = False):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and "
+                             f"{max_num_batched_tokens}")
+        self.blocks, self.slots, self.prefix, self.grow = blocks, slots, prefix, grow
+        self.max_num_seqs = min(max_num_seqs, slots.num_slots)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------------------ one step
+    def schedule(self) -> list[tuple[Request, int]]:
+        """The (request, new tokens) pairs of the next forward, in packed order; their block tables already
+        cover the new tokens."""
+        budget = self.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = self._chunk(request, budget)
+            if not self._grow(request, n):  # the request itself was preempted
+                continue
+            scheduled.append((request, n))
+            budget -= n
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.slots.num_free:
+            request = self.waiting[0]
+            if self.prefix is not None:
+                self.prefix.resume(request)  # holds the shared blocks of its longest cached prefix
+            n = self._chunk(request, budget)
+            if not self._room(request, n):
+                if self.prefix is not None:  # give back the hit's blocks until it can be admitted
+                    self.prefix.forget(request)
+                    self._release(request)
+                break
+            self.waiting.popleft()
+            request.slot = self.slots.allocate()
+            self._allocate(request, n)
+            if self.prefix is not None:
+                self.prefix.restore_state(request, self.slots)  # the hit's Mamba states and partial-block keys and values
+            request.status = Status.RUNNING
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+        return scheduled
+
+    def _chunk(self, request: Request, budget: int) -> int:
+        """Tokens `request` computes next: what is left of its tokens, within the budget and, while it
+        prefills with prefix caching, up to the next snapshot boundary."""
+        n = min(request.num_tokens - request.num_computed, budget)
+        if self.prefix is not None and request.num_computed < len(request.prompt_ids):
+            n = min(n, self.prefix.next_boundary(request) - request.num_computed)
+        return n
+
+    def _blocks_needed(self, request: Request, n: int) -> int:
+        return max(0, math.ceil((request.num_computed + n) / self.blocks.block_size) - len(request.block_table))
+
+    def _room(self, request: Request, n: int) -> bool:
+        """Whether the free blocks hold `n` more tokens of `request` (growing the pool first if it grows)."""
+        needed = self._blocks_needed(request, n)
+        if self.grow:
+            keep = self.blocks.num_free_cached() if self.prefix is not None and self.prefix.within_budget() else 0
+            short = needed - (self.blocks.num_free - keep)
+            if short > 0:
+                self.blocks.grow(max(2 * self.blocks.num_blocks, self.blocks.num_blocks + short))
+        return needed <= self.blocks.num_free
+
+    def _allocate(self, request: Request, n: int) -> None:
+        for _ in range(self._blocks_needed(request, n)):
+            request.block_table.append(self.blocks.allocate())
+
+    def _grow(self, request: Request, n: int) -> bool:
+        """Give the running `request` the blocks for `n` more tokens, preempting the youngest running
+        requests while too few are free. False when `request` itself had to be preempted."""
+        while not self._room(request, n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is request:
+                return False
+        self._allocate(request, n)
+        return True
+
+    # ------------------------------------------------------------------------------------------ freeing
+    def preempt(self, request: Request) -> None:
+        """Free `request`'s blocks and slot and queue it first, to be recomputed (see the module docstring)."""
+        self.running.remove(request)
+        self._release(request)
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """End `request` (running or waiting) and free its blocks and slot at once."""
+        if request.status is Status.RUNNING:
+            self.running.remove(request)
+        elif request.status is Status.WAITING:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status, request.finish_reason = Status.FINISHED, reason
+
+    def _release(self, request: Request) -> None:
+        self.blocks.release(request.block_table)
+        request.block_table, request.num_computed = [], 0
+        if request.slot is not None:
+            self.slots.release(request.slot)
+            request.slot = None

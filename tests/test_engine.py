@@ -1,0 +1,332 @@
+"""The serving engine (`hybrid.serving`): continuous batching over paged KV blocks and Mamba state slots.
+
+Oracle: `hybrid.generate.generate_ids` on the request alone (itself tested against transformers), on tiny
+fp32 checkpoints saved by transformers. Every test runs requests together on the engine and asserts each
+one's tokens equal its solo run, whatever the chunking, the arrival order, the block layout, preemption or
+a prefix hit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybrid.generate import generate_ids
+from hybrid.layers.mamba2 import Mamba2Mixer
+from hybrid.sampling import SamplingParams
+from hybrid.serving.engine import Engine
+from hybrid.serving.request import Status
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    return checkpoint("nano_like_c16").ours
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int, vocab: int = 96) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+def alone(model, prompt, max_tokens, sampling=None, stop_ids=()):
+    return generate_ids(model, [prompt], max_new_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids)[0].token_ids
+
+
+def run_staggered(engine: Engine, requests: list[tuple[list[int], int]], every: int, sampling=None, seen=None):
+    """Add one request every `every` steps (interleaving admissions with decoding and frees); run to the end.
+    Returns each request's tokens. `seen(engine)` is called after every step."""
+    pending = list(enumerate(requests))
+    ids: dict[str, int] = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        if pending and step % every == 0:
+            i, (prompt, max_tokens) = pending.pop(0)
+            s = sampling[i] if isinstance(sampling, list) else sampling
+            ids[engine.add_request(prompt, s, max_tokens)] = i
+        engine.step()
+        if seen is not None:
+            seen(engine)
+        step += 1
+    out = [None] * len(requests)
+    for rid, i in ids.items():
+        out[i] = engine.requests[rid].output_ids
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("name", ["nano_like_c16", "all4_ng2_gqa4_c8", "ngnh_mqa_c8_k2"])
+def test_a_request_among_15_others_gives_its_tokens_alone(checkpoint, name):
+    model = checkpoint(name).ours
+    prompts = random_prompts(16, 1, 40, seed=1)
+    max_tokens = [4 + (3 * i) % 13 for i in range(16)]
+    expected = [alone(model, p, m) for p, m in zip(prompts, max_tokens)]
+    engine = Engine(model, num_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=24)
+    got = engine.generate(prompts, max_tokens=20)  # all at once: chunked prefills packed with decodes
+    assert [c.token_ids[:m] for c, m in zip(got, max_tokens)] == expected
+    staggered = run_staggered(Engine(model, num_blocks=256, block_size=4, max_num_seqs=16, max_num_batched_tokens=24),
+                              list(zip(prompts, max_tokens)), every=2)
+    assert staggered == expected
+
+
+@pytest.mark.parametrize("budget", [1, 3, 7, 16, 64])
+def test_however_the_prompt_is_chunked(model, budget):
+    prompt = random_prompts(1, 50, 50, seed=2)[0]
+    engine = Engine(model, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=budget)
+    assert engine.generate([prompt], max_tokens=12)[0].token_ids == alone(model, prompt, 12)
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_among_others(model):
+    prompts = random_prompts(8, 2, 30, seed=3)
+    params = [SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=100 + i) for i in range(8)]
+    expected = [alone(model, p, 16, sampling=s) for p, s in zip(prompts, params)]
+    assert len({tuple(e) for e in expected}) == 8  # the draws really differ
+    engine = Engine(model, num_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+    assert run_staggered(engine, [(p, 16) for p in prompts], every=3, sampling=params) == expected
+    # the same objects give the same tokens again (each request starts from its seed)
+    engine = Engine(model, num_blocks=128, block_size=4, max_num_seqs=8, max_num_batched_tokens=16)
+    assert [c.token_ids for c in engine.generate(prompts, params, max_tokens=16)] == expected
+
+
+def test_stop_ids_and_max_tokens_end_a_request_as_generate_does(model):
+    prompts = random_prompts(6, 3, 20, seed=4)
+    free_run = [alone(model, p, 12) for p in prompts]
+    stop = {next(t for t in free_run[0][2:] if t not in free_run[1])}  # row 0 stops, row 1 runs to the limit
+    expected = [generate_ids(model, [p], 12, stop_ids=sorted(stop))[0] for p in prompts]
+    got = Engine(model, num_blocks=64, block_size=8).generate(prompts, max_tokens=12, stop_ids=stop)
+    assert [(c.token_ids, c.finish_reason) for c in got] == [(e.token_ids, e.finish_reason) for e in expected]
+    assert {c.finish_reason for c in got} == {"stop", "length"}
+
+
+# ---------------------------------------------------------------------------------------------- packing
+def test_tokens_of_all_sequences_are_packed_without_padding(model):
+    """Every forward is one row of exactly the scheduled tokens, and over a run each position of each
+    request is fed exactly once: prompt + output - 1 (the last token is never fed): 0 padded positions."""
+    prompts = random_prompts(12, 1, 30, seed=5)
+    fed = []
+    hook = model.backbone.embeddings.register_forward_hook(lambda m, args, out: fed.append(tuple(args[0].shape)))
+    try:
+        engine = Engine(model, num_blocks=128, block_size=4, max_num_seqs=12, max_num_batched_tokens=20)
+        rows = []
+        outs = run_staggered(engine, [(p, 7) for p in prompts], every=1,
+                             seen=lambda e: rows.append((e.last_step.num_seqs, e.last_step.num_tokens)))
+    finally:
+        hook.remove()
+    assert all(b == 1 for b, _ in fed)
+    assert [t for _, t in fed] == [t for s, t in rows if s]
+    assert any(s > 1 for s, _ in rows)  # sequences really shared forwards
+    real = sum(len(p) + len(o) - 1 for p, o in zip(prompts, outs))
+    padded = sum(t for _, t in fed) - real
+    assert padded == 0
+
+
+def test_blocks_end_up_scattered_and_outputs_still_equal_solo_runs(model):
+    prompts = random_prompts(10, 5, 30, seed=6)
+    max_tokens = [3 + (7 * i) % 11 for i in range(10)]
+    expected = [alone(model, p, m) for p, m in zip(prompts, max_tokens)]
+    scattered = []
+
+    def seen(engine):
+        for r in engine.scheduler.running:
+            t = r.block_table
+            if len(t) > 1 and any(b != a + 1 for a, b in zip(t, t[1:])):
+                scattered.append(r.request_id)
+
+    engine = Engine(model, num_blocks=48, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    assert run_staggered(engine, list(zip(prompts, max_tokens)), every=2, seen=seen) == expected
+    assert scattered, "no request held non-contiguous blocks: the test did not exercise paging"
+
+
+# ---------------------------------------------------------------------------------------------- pools
+def test_pools_are_allocated_once_and_everything_is_freed(model):
+    engine = Engine(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    pointers = [t.data_ptr() for t in engine.blocks.k + engine.blocks.v + engine.slots.conv + engine.slots.ssm]
+    nbytes = engine.blocks.nbytes() + engine.slots.nbytes()
+    for seed in range(3):
+        engine.generate(random_prompts(6, 2, 25, seed=10 + seed), max_tokens=6)
+    assert [t.data_ptr() for t in engine.blocks.k + engine.blocks.v + engine.slots.conv + engine.slots.ssm] == pointers
+    assert engine.blocks.nbytes() + engine.slots.nbytes() == nbytes
+    assert engine.blocks.num_free == 64 and engine.slots.num_free == 4 and not engine.requests
+
+
+def test_mamba_states_are_updated_in_place_in_their_slots(model, monkeypatch):
+    """Each sequence's recurrence runs on views of its slot in the pool, never on a gathered copy."""
+    engine = Engine(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
+    pools = {t.untyped_storage().data_ptr() for t in engine.slots.ssm}
+    conv_pools = {t.untyped_storage().data_ptr() for t in engine.slots.conv}
+    seen = []
+    original = Mamba2Mixer._mix
+
+    def checked(self, xBC, dt, mask, state, record):
+        seen.append(state.ssm.untyped_storage().data_ptr() in pools
+                    and state.conv.untyped_storage().data_ptr() in conv_pools)
+        return original(self, xBC, dt, mask, state, record)
+
+    monkeypatch.setattr(Mamba2Mixer, "_mix", checked)
+    prompts = random_prompts(4, 3, 20, seed=7)
+    got = engine.generate(prompts, max_tokens=5)
+    monkeypatch.undo()
+    assert seen and all(seen)
+    assert [c.token_ids for c in got] == [alone(model, p, 5) for p in prompts]
+
+
+def test_preemption_recomputes_the_youngest_and_changes_no_token(model):
+    """A pool too small for every request at once: the youngest running request is preempted (blocks and
+    slot freed), recomputed later, and every request still gives its solo tokens, greedy and seeded."""
+    prompts = random_prompts(6, 10, 20, seed=8)
+    params = [None, SamplingParams(temperature=1.0, seed=5)] * 3
+    expected = [alone(model, p, 24, sampling=s) for p, s in zip(prompts, params)]
+    engine = Engine(model, num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=64)
+    preempted_when_youngest = []
+
+    def seen(e):
+        running = [r.arrival for r in e.scheduler.running]
+        for r in e.scheduler.waiting:
+            if r.num_preemptions and running:
+                preempted_when_youngest.append(r.arrival > min(running))
+
+    ids = [engine.add_request(p, s, 24) for p, s in zip(prompts, params)]
+    while engine.has_unfinished():
+        engine.step()
+        seen(engine)
+    assert engine.scheduler.num_preemptions > 0
+    assert preempted_when_youngest and all(preempted_when_youngest)  # never the oldest running one
+    assert [engine.requests[i].output_ids for i in ids] == expected
+    assert engine.blocks.num_free == 24
+
+
+def test_abort_frees_blocks_and_slot_at_once_and_leaves_the_others_unchanged(model):
+    prompts = random_prompts(3, 8, 16, seed=9)
+    engine = Engine(model, num_blocks=64, block_size=4, max_num_seqs=3, max_num_batched_tokens=64)
+    ids = [engine.add_request(p, None, 10) for p in prompts]
+    for _ in range(3):
+        engine.step()
+    held = len(engine.requests[ids[1]].block_table)
+    free_before = engine.blocks.num_free
+    engine.abort(ids[1])
+    assert engine.blocks.num_free == free_before + held and engine.slots.num_free == 1
+    assert engine.requests[ids[1]].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    for i in (0, 2):
+        assert engine.requests[ids[i]].output_ids == alone(model, prompts[i], 10)
+    engine.abort("no such request")  # ignored
+
+
+def test_max_model_len_ends_a_request_with_length(model):
+    prompt = random_prompts(1, 10, 10, seed=11)[0]
+    engine = Engine(model, num_blocks=16, block_size=4, max_model_len=16)
+    (c,) = engine.generate([prompt], max_tokens=100)
+    assert (c.token_ids, c.finish_reason) == (alone(model, prompt, 6), "length")
+
+
+# ---------------------------------------------------------------------------------------------- prefix caching
+def test_64_requests_sharing_a_2k_prefix_hold_its_kv_once(model):
+    """The prefix's 128 blocks are held once, by all 64 requests (reference count 64), and a request resumed
+    from the snapshot gives its cold tokens."""
+    shared = random_prompts(1, 2048, 2048, seed=12)[0]
+    tails = random_prompts(64, 1, 6, seed=13)
+    engine = Engine(model, num_blocks=512, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                    prefix_caching=True, snapshot_interval=512)
+    first = engine.add_request(shared + tails[0], None, 4)
+    while engine.requests[first].status is not Status.FINISHED:
+        engine.step()
+    ids = [first] + [engine.add_request(shared + t, None, 4) for t in tails[1:]]
+    engine.step()  # admits all 63: each resumes at 2048 and computes only its tail
+    running = engine.scheduler.running
+    assert len(running) == 63 and all(r.num_cached_tokens == 2048 for r in running)
+    prefix_blocks = running[0].block_table[:128]
+    assert all(r.block_table[:128] == prefix_blocks for r in running)
+    assert all(engine.blocks.refcount[b] == 63 for b in prefix_blocks)
+    used = engine.blocks.num_blocks - engine.blocks.num_free
+    assert used == 128 + 63  # the prefix once, then one block of its own per request
+    while engine.has_unfinished():
+        engine.step()
+    for i in (0, 1, 37):
+        assert engine.requests[ids[i]].output_ids == alone(model, shared + tails[i], 4)
+
+
+def test_a_prefix_hit_gives_the_cold_tokens_however_it_was_chunked(model):
+    shared = random_prompts(1, 45, 45, seed=14)[0]
+    followers = [shared + t for t in random_prompts(5, 1, 9, seed=15)]
+    expected = [alone(model, p, 8) for p in followers]
+    for budget in (5, 16, 64):
+        engine = Engine(model, num_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=budget,
+                        prefix_caching=True, snapshot_interval=8)
+        engine.generate([shared + [7]], max_tokens=2)
+        got = engine.generate(followers, max_tokens=8)
+        assert [c.token_ids for c in got] == expected
+        assert [c.cached_tokens for c in got] == [40] * 5  # the last snapshot before the shared prefix ends
+
+
+def test_the_next_turn_resumes_at_the_previous_prompts_end(model):
+    turn1 = random_prompts(1, 37, 37, seed=16)[0]
+    engine = Engine(model, num_blocks=128, block_size=4, prefix_caching=True, snapshot_interval=16)
+    (reply,) = engine.generate([turn1], max_tokens=6)
+    turn2 = turn1 + reply.token_ids[:3] + [9, 10, 11]  # a template that re-renders the reply differently
+    (c,) = engine.generate([turn2], max_tokens=8)
+    assert c.cached_tokens == len(turn1)
+    assert c.token_ids == alone(model, turn2, 8)
+
+
+def test_a_prefix_hit_survives_preemption(model):
+    shared = random_prompts(1, 24, 24, seed=17)[0]
+    prompts = [shared + t for t in random_prompts(5, 2, 6, seed=18)]
+    expected = [alone(model, p, 20) for p in prompts]
+    engine = Engine(model, num_blocks=30, block_size=4, max_num_seqs=5, max_num_batched_tokens=64,
+                    prefix_caching=True, snapshot_interval=8)
+    engine.generate(prompts[:1], max_tokens=1)
+    got = engine.generate(prompts, max_tokens=20)
+    assert engine.scheduler.num_preemptions > 0
+    assert [c.token_ids for c in got] == expected
+
+
+def test_snapshots_stay_within_their_byte_budget_least_recently_used_out(model):
+    engine = Engine(model, num_blocks=256, block_size=4, prefix_caching=True, snapshot_interval=8)
+    one = engine.slots.slot_nbytes()
+    engine = Engine(model, num_blocks=256, block_size=4, prefix_caching=True, snapshot_interval=8,
+                    prefix_cache_bytes=3 * one + 1000)
+    a, b = random_prompts(2, 33, 33, seed=19)
+    engine.generate([a], max_tokens=1)  # snapshots at 8, 16, 24, 32, 33: only the last three kept
+    assert engine.prefix.nbytes <= 3 * one + 1000 and len(engine.prefix.snapshots) == 3
+    assert engine.prefix.match(a + [5]) == 33 and engine.prefix.match(a[:20] + [5]) == 0
+    engine.generate([b], max_tokens=1)
+    assert engine.prefix.match(a + [5]) == 0 and engine.prefix.match(b + [5]) == 33
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_bad_requests_and_sizes_are_clear_errors(model):
+    engine = Engine(model, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.add_request([1, 96], None, 4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], None, 4)
+    with pytest.raises(ValueError, match="max_model_len is 32"):
+        engine.add_request(list(range(3, 35)), None, 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add_request([5], None, 0)
+    engine.add_request([5], None, 2, request_id="a")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([6], None, 2, request_id="a")
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.release("a")
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(model, num_blocks=8, block_size=4, max_model_len=33)
+    with pytest.raises(ValueError, match=">= 1"):
+        Engine(model, num_blocks=0)
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        Engine(model, block_size=16, prefix_caching=True, snapshot_interval=24)
+    assert not engine.blocks.num_free < 8 - 1  # refused requests held nothing
+
+
+def test_a_saved_prefix_cache_serves_a_fresh_engine(model, tmp_path):
+    shared = random_prompts(1, 30, 30, seed=20)[0]
+    engine = Engine(model, num_blocks=64, block_size=4, prefix_caching=True, snapshot_interval=8)
+    engine.generate([shared + [4]], max_tokens=2)
+    engine.save_prefix_cache(tmp_path / "p.safetensors")
+    fresh = Engine(model, num_blocks=64, block_size=4, prefix_caching=True, snapshot_interval=8)
+    assert fresh.load_prefix_cache(tmp_path / "p.safetensors") == len(engine.prefix.snapshots)
+    (c,) = fresh.generate([shared + [4, 5, 6]], max_tokens=6)
+    assert c.cached_tokens == 31 and c.token_ids == alone(model, shared + [4, 5, 6], 6)
+    with pytest.raises(ValueError, match="without prefix_caching"):
+        Engine(model, num_blocks=8).save_prefix_cache(tmp_path / "q.safetensors")
