@@ -2,7 +2,7 @@
 
     hybrid generate [MODEL] --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-k K]
                     [--top-p P] [--seed S] [--dtype D] [--act-quant] [--speculative N]
-                    [--prefix-cache FILE [--prefix-block-size B]] [--json]
+                    [--prefix-cache FILE [--prefix-snapshot-interval N]] [--json]
     hybrid info [MODEL] [--format fp8|nvfp4|mxfp4] [--json]
     hybrid quantize SRC DST --format fp8|nvfp4|mxfp4 [--exclude PATTERN ...] [--calibration-samples N]
     (--format: also any format registered in `moe.quant.formats`)
@@ -70,7 +70,7 @@ def _generate(args) -> int:
     if args.prefix_cache:
         from hybrid.prefix_cache import PrefixCache
 
-        prefix_cache = PrefixCache(model, block_size=args.prefix_block_size)
+        prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
         if Path(args.prefix_cache).exists():
             try:
                 prefix_cache.load(args.prefix_cache)
@@ -273,6 +273,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _snapshot_interval(text: str) -> int:
+    """Prompt tokens between prefix-cache snapshots: a positive multiple of the KV block size."""
+    from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
+
+    value = _positive_int(text)
+    if value % DEFAULT_BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"must be a multiple of the KV block size {DEFAULT_BLOCK_SIZE}, got {text}")
+    return value
+
+
 def _threads(text: str) -> int:
     """torch CPU threads: 1 to 4 x os.cpu_count() (torch crashes, exit 139, on 100000)."""
     value = _positive_int(text)
@@ -365,8 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 (the default): off")
     g.add_argument("--prefix-cache", default=None, metavar="FILE",
                    help="safetensors file of cached prefix states: reused when it matches the model, then updated")
-    g.add_argument("--prefix-block-size", type=_positive_int, default=256,
-                   help="tokens per prefix-cache block (a snapshot per block; default: %(default)s)")
+    g.add_argument("--prefix-snapshot-interval", "--prefix-block-size", type=_snapshot_interval, default=256,
+                   metavar="N", dest="prefix_snapshot_interval",
+                   help="prompt tokens between the prefix cache's Mamba snapshots (hits fall on them and on earlier "
+                        "prompts' ends; a multiple of 16; default: %(default)s)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=_generate)
 

@@ -7,14 +7,13 @@ row. A left-padded row gives the same tokens as the prompt run alone (tests/test
 
 from __future__ import annotations
 
-import numbers
 import time
 import warnings
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from hybrid.batch import check_prompts, left_pad
+from hybrid.batch import check_max_new_tokens, check_prompts, left_pad
 from hybrid.cache import RESERVE_AHEAD
 from hybrid.model import HybridForCausalLM
 from hybrid.sampling import Completion, Sampling, SamplingParams, for_call, sample
@@ -65,8 +64,9 @@ def generate_ids(
         pad_id: the id written at padded positions; any id (None, -1, past the vocabulary) serves, since
             padding is masked and never reaches the embedding.
         on_tokens: called after each step with the new token of each row (None for finished rows).
-        prefix_cache: a `hybrid.prefix_cache.PrefixCache` of this model: each prompt resumes from its
-            longest cached prefix and leaves its own blocks cached (rows are prefilled one by one).
+        prefix_cache: a `hybrid.prefix_cache.PrefixCache` of this model: the prompts run together on its
+            serving engine (no padding), each resuming from its longest cached prefix and leaving its own
+            prefix cached; a shared seeded `sampling` then starts each row's own generator at the seed.
     Returns:
         B `Completion`s (text empty; see `generate` for text).
     The KV cache is reserved for at most `RESERVE_AHEAD` new tokens up front and grows as needed, so
@@ -80,7 +80,7 @@ def generate_ids(
             vocabulary [0, config.vocab_size) (named with its row and position in the padded batch).
     """
     check_prompts(prompts, model.config.vocab_size)
-    max_new_tokens = _check_max_new_tokens(max_new_tokens)
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
     sampling = for_call(sampling, len(prompts))  # checked; seeded generators start from their seeds
     device = model.device
     batch = left_pad(prompts, pad_id, device)
@@ -91,21 +91,14 @@ def generate_ids(
     positions = _PositionNote(model.config.max_position_embeddings)
     positions.check(L)
 
+    if prefix_cache is not None:  # on the serving engine: every row resumes from its longest cached prefix
+        return prefix_cache.generate(prompts, max_new_tokens, sampling, stop_ids, on_tokens)
     start = time.perf_counter()
-    if prefix_cache is not None:
-        rows = [prefix_cache.prefill(p, capacity=len(p) + ahead) for p in prompts]
-        if B == 1:
-            cache = rows[0][0]
-        else:
-            cache = model.new_cache(B, capacity=L + ahead)
-            cache.fill_rows([row_cache for row_cache, _ in rows])
-        last = torch.cat([row_logits for _, row_logits in rows])
-    else:
-        cache = model.new_cache(B, capacity=L + ahead)
-        for s in range(0, L, prefill_chunk_size):
-            logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
-                           logits_to_keep=1)
-        last = logits[:, -1]
+    cache = model.new_cache(B, capacity=L + ahead)
+    for s in range(0, L, prefill_chunk_size):
+        logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
+                       logits_to_keep=1)
+    last = logits[:, -1]
     token = sample(last, sampling)
     prefill_done = time.perf_counter()
 
@@ -134,12 +127,6 @@ def generate_ids(
         Completion(out[row], reasons[row], len(prompts[row]), prefill_done - start, end - prefill_done)
         for row in range(B)
     ]
-
-
-def _check_max_new_tokens(n) -> int:
-    if not (isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1):
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r:.80}")
-    return int(n)
 
 
 def utf8_problem(text: str) -> str | None:
@@ -239,7 +226,7 @@ def generate(
             outside the model's vocabulary (see `generate_ids`).
     """
     prompts = _check_texts(prompts)
-    max_new_tokens = _check_max_new_tokens(max_new_tokens)
+    max_new_tokens = check_max_new_tokens(max_new_tokens)
     if speculative and (len(prompts) != 1 or prefix_cache is not None):
         raise ValueError("speculative decoding takes one prompt and no prefix cache")
     sampling = SamplingParams(temperature, top_k, top_p, seed)  # checks the numbers first

@@ -6,9 +6,11 @@
 A long shared prefix (a document: `--prefix-tokens`, default 8192) is followed by a short question
 (`--question-tokens`). Measured in one run, on the same model and threads, each a median of `--repeats`:
 - cold: a prefill of prefix + question with no cache (what every request pays without one);
-- warm: the same request after the prefix was cached by an earlier request (restore + the question);
-- the greedy first token of both (must be equal) and the snapshot bytes: the Mamba part (constant per
-  block) and the attention part (linear in the prefix).
+- warm: the same request on a `PrefixCache` after an earlier request (prefix + another question) left the
+  prefix cached: it resumes at the last Mamba snapshot inside the prefix (every `--snapshot-interval`
+  prompt tokens) and computes the rest;
+- the greedy first token of both (must be equal) and what the cache holds for the prefix: one Mamba state
+  per snapshot (constant) and the prefix's keys and values in the KV pool (linear in the prefix).
 With `--config` the model is built with random weights (`hybrid.training.init_weights`) in `--dtype`.
 Prints a table and writes JSON to `--out`.
 """
@@ -25,7 +27,6 @@ from pathlib import Path
 import torch
 
 from hybrid.atomic import atomic_write_text
-from hybrid.cache import KVCache
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.config import HybridConfig
 from hybrid.dtypes import torch_dtype
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--prefix-tokens", type=int, default=8192)
     p.add_argument("--question-tokens", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--snapshot-interval", type=int, default=256,
+                   help="prompt tokens between Mamba snapshots (a multiple of the KV block size 16)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("prefix_cache_bench.json"))
@@ -77,36 +79,37 @@ def main(argv: list[str] | None = None) -> int:
         (c,) = generate_ids(model, [prompt], max_new_tokens=1)
         return c.prefill_seconds, c.token_ids[0]
 
-    prefix_cache = PrefixCache(model, block_size=args.block_size, max_bytes=1 << 40)
+    prefix_cache = PrefixCache(model, snapshot_interval=args.snapshot_interval, max_bytes=1 << 40)
     start = time.perf_counter()
-    prefix_cache.prefill(prefix + questions[0])  # the earlier request that leaves the prefix cached
+    prefix_cache.generate([prefix + questions[0]], 1)  # the earlier request that leaves the prefix cached
     first_request = time.perf_counter() - start
 
-    cold_s, warm_s, same = [], [], True
+    cold_s, warm_s, reused, same = [], [], [], True
     for q in questions[1:]:
         seconds, token_cold = cold(prefix + q)
         cold_s.append(seconds)
-        start = time.perf_counter()
-        _, logits = prefix_cache.prefill(prefix + q)
-        warm_s.append(time.perf_counter() - start)
-        same &= int(logits[0].argmax()) == token_cold
+        (c,) = prefix_cache.generate([prefix + q], 1)
+        warm_s.append(c.prefill_seconds)  # from the request's arrival to its first token (restore included)
+        reused.append(c.cached_tokens)
+        same &= c.token_ids[0] == token_cold
 
-    probe = model.new_cache(1)
-    mamba_bytes = probe.state_nbytes()
-    kv_per_token = sum(2 * layer.k.shape[1] * layer.k.shape[3] * layer.k.element_size()
-                       for layer in probe.layers if isinstance(layer, KVCache))
-    blocks = args.prefix_tokens // args.block_size
+    config = model.config
+    mamba_bytes = model.new_cache(1).state_nbytes()  # one sequence's Mamba state: what one snapshot holds
+    kv_per_token = (2 * config.hybrid_override_pattern.count("*") * config.num_key_value_heads * config.head_dim
+                    * model.dtype.itemsize)  # keys and values of every attention layer, in the pool's dtype
+    snapshots = args.prefix_tokens // args.snapshot_interval
     result = {
         "model": name, "dtype": args.dtype, "threads": torch.get_num_threads(),
-        "prefix_tokens": args.prefix_tokens, "question_tokens": args.question_tokens, "block_size": args.block_size,
-        "reused_tokens": prefix_cache.match(prefix + questions[1]),
+        "prefix_tokens": args.prefix_tokens, "question_tokens": args.question_tokens,
+        "snapshot_interval": args.snapshot_interval,
+        "reused_tokens": min(reused),
         "ttft_cold_s": statistics.median(cold_s), "ttft_warm_s": statistics.median(warm_s),
         "speedup": statistics.median(cold_s) / statistics.median(warm_s),
         "first_request_with_snapshots_s": first_request,
         "same_first_token": same,
-        "snapshot_mamba_bytes_per_block": mamba_bytes,
-        "snapshot_kv_bytes_per_token": kv_per_token,
-        "snapshot_bytes_for_prefix": blocks * mamba_bytes + blocks * args.block_size * kv_per_token,
+        "snapshot_mamba_bytes": mamba_bytes,
+        "kv_bytes_per_token": kv_per_token,
+        "cache_bytes_for_prefix": snapshots * mamba_bytes + args.prefix_tokens * kv_per_token,
         "cache_bytes_held": prefix_cache.nbytes,
     }
     write_json(args.out, result)
@@ -114,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.question_tokens}-token question")
     print(f"  time to first token: cold {result['ttft_cold_s']:.3f} s, with the prefix cached "
           f"{result['ttft_warm_s']:.3f} s ({result['speedup']:.1f}x); same first token: {same}")
-    print(f"  snapshot: {mamba_bytes:,} B Mamba state per block + {kv_per_token:,} B KV per token "
-          f"= {result['snapshot_bytes_for_prefix']:,} B for the prefix ({blocks} blocks of {args.block_size})")
+    print(f"  reused {result['reused_tokens']} prompt tokens; cache: {mamba_bytes:,} B Mamba state per snapshot "
+          f"+ {kv_per_token:,} B KV per token = {result['cache_bytes_for_prefix']:,} B for the prefix ({snapshots} "
+          f"snapshots every {args.snapshot_interval} tokens); held in all: {result['cache_bytes_held']:,} B")
     return 0 if same else 1
 
 

@@ -119,25 +119,30 @@ def test_prefix_cache_file_is_reused_across_runs(ckpt, tmp_path):
     store = tmp_path / "prefix.safetensors"
     prompt = "The grass is green. The sky is blue. The sun is yellow. What color is the grass?"
     args = ["generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", "8", "--json",
-            "--prefix-cache", str(store), "--prefix-block-size", "4"]
+            "--prefix-cache", str(store), "--prefix-snapshot-interval", "16"]
     first, second = run(*args), run(*args)
     assert first.returncode == 0 and second.returncode == 0, second.stderr
     first, second = json.loads(first.stdout), json.loads(second.stdout)
     assert store.exists() and first["prefix_cache_reused_tokens"] == 0
     n = first["prompt_tokens"]
-    assert second["prefix_cache_reused_tokens"] == (n - 1) // 4 * 4 > 0
+    assert second["prefix_cache_reused_tokens"] == (n - 1) // 16 * 16 > 0  # the last snapshot before its end
     assert second["token_ids"] == first["token_ids"]
+    longer = run("generate", str(ckpt), "--prompt", prompt + " Green.", "--max-new-tokens", "8", "--json",
+                 "--prefix-cache", str(store))
+    assert json.loads(longer.stdout)["prefix_cache_reused_tokens"] == n  # the earlier prompt's end
 
 
-def test_prefix_cache_file_of_another_block_size_is_left_intact(ckpt, tmp_path):
+def test_prefix_cache_file_serves_another_snapshot_interval(ckpt, tmp_path):
+    """The interval only says where snapshots are taken: a file written at 16 serves a run at 32."""
     store = tmp_path / "prefix.safetensors"
-    args = ["generate", str(ckpt), "--prompt", "The grass is green. The sky is blue. The sun is yellow.",
-            "--max-new-tokens", "4", "--json", "--prefix-cache", str(store)]
-    assert run(*args, "--prefix-block-size", "4").returncode == 0
-    before = store.read_bytes()
-    r = run(*args, "--prefix-block-size", "8")
-    assert r.returncode == 0 and "block_size 4 differs from 8" in r.stderr
-    assert json.loads(r.stdout)["prefix_cache_reused_tokens"] == 0 and store.read_bytes() == before
+    prompt = "The grass is green. The sky is blue. The sun is yellow."
+    args = ["generate", str(ckpt), "--prompt", prompt, "--max-new-tokens", "4", "--json", "--prefix-cache", str(store)]
+    first = run(*args, "--prefix-snapshot-interval", "16")
+    assert first.returncode == 0, first.stderr
+    n = json.loads(first.stdout)["prompt_tokens"]
+    r = run(*args, "--prefix-snapshot-interval", "32")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prefix_cache_reused_tokens"] == (n - 1) // 16 * 16
 
 
 def run_bytes(*args, stdin: bytes):

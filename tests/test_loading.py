@@ -391,20 +391,25 @@ def test_malformed_optional_tokenizer_entries_are_ignored(single, tmp_path, toke
     assert tok.chat_template is None and tok.stop_ids == [2, 4]  # eos 4 from special_tokens_map.json
 
 
-@pytest.mark.parametrize("nodes, message", [
-    ("[" * 5000, "its node list (metadata 'nodes') is not JSON"),
-    ("[" + "1" * 5000 + "]", "its node list (metadata 'nodes') is not JSON"),
+@pytest.mark.parametrize("key, value", [
+    ("blocks", "[" * 5000),  # nested too deeply: RecursionError
+    ("blocks", "[" + "1" * 5000 + "]"),  # an integer of more than 4300 digits: ValueError
+    ("snapshots", "[" * 5000),
+    ("snapshots", '[{"parent": -1, "tail": [' + "1" * 5000 + "]}]"),
 ])
-def test_prefix_cache_file_with_a_crafted_node_list(single, tmp_path, nodes, message):
+def test_prefix_cache_file_with_a_crafted_entry_list(single, tmp_path, key, value):
     """Before: RecursionError / ValueError (integer of more than 4300 digits) instead of PrefixCacheFileError."""
     from hybrid.prefix_cache import PrefixCache, PrefixCacheFileError
 
-    cache = PrefixCache(hybrid.load_model(single, progress=False), block_size=4)
+    cache = PrefixCache(hybrid.load_model(single, progress=False), snapshot_interval=16)
     path = tmp_path / "cache.safetensors"
-    save_file({"x": torch.zeros(1)}, path, metadata={"identity": cache.identity, "block_size": "4", "nodes": nodes})
+    meta = {"format": "hybrid-prefix-cache", "version": "2", "identity": cache.identity, "block_size": "16",
+            "blocks": "[]", "snapshots": "[]", key: value}
+    save_file({"x": torch.zeros(1)}, path, metadata=meta)
     with pytest.raises(PrefixCacheFileError) as info:
         cache.load(path)
-    assert str(info.value) == f"{path}: {message}"
+    assert str(info.value) == f"{path}: its {key} list (metadata {key!r}) is not JSON"
+    assert len(cache) == 0
 
 
 @pytest.mark.parametrize("content, message", [
