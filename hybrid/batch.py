@@ -37,10 +37,10 @@ def check_prompts(prompts, vocab_size: int) -> None:
                 raise ValueError(outside_vocabulary(int(t), f"prompts[{row}][{pos}]", vocab_size))
 
 
-def check_max_new_tokens(n) -> int:
-    """`n` as an int, or ValueError unless it is an integer >= 1 (a bool is refused)."""
+def check_max_new_tokens(n, name: str = "max_new_tokens") -> int:
+    """`n` as an int, or ValueError (naming `name`) unless it is an integer >= 1 (a bool is refused)."""
     if not (isinstance(n, numbers.Integral) and not isinstance(n, bool) and n >= 1):
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {n!r:.80}")
+        raise ValueError(f"{name} must be an integer >= 1, got {n!r:.80}")
     return int(n)
 
 

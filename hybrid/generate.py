@@ -76,8 +76,9 @@ def generate_ids(
     Raises:
         ValueError: prompts not a non-empty list of non-empty lists of Python ints (a bool, float or string
             id, named by row and position; see `hybrid.batch.check_prompts`), max_new_tokens not an integer
-            >= 1, `sampling` not a `SamplingParams` or a list of B of them, or a prompt id outside the model's
-            vocabulary [0, config.vocab_size) (named with its row and position in the padded batch).
+            >= 1, `sampling` not a `SamplingParams` or a list of B of them, a prompt id outside the model's
+            vocabulary [0, config.vocab_size) (named with its row and position in the padded batch), or a
+            prefix_cache made for another model.
     """
     check_prompts(prompts, model.config.vocab_size)
     max_new_tokens = check_max_new_tokens(max_new_tokens)
@@ -92,6 +93,8 @@ def generate_ids(
     positions.check(L)
 
     if prefix_cache is not None:  # on the serving engine: every row resumes from its longest cached prefix
+        if prefix_cache.model is not model:
+            raise ValueError("prefix_cache was made for another model: a PrefixCache serves the model it was made with")
         return prefix_cache.generate(prompts, max_new_tokens, sampling, stop_ids, on_tokens)
     start = time.perf_counter()
     cache = model.new_cache(B, capacity=L + ahead)

@@ -18,6 +18,7 @@ request sees. Unlike a server's pool, this one grows with the calls (the longest
 
 from __future__ import annotations
 
+import numbers
 from pathlib import Path
 from typing import Callable
 
@@ -50,6 +51,8 @@ class PrefixCache:
 
     def __init__(self, model: HybridForCausalLM, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL,
                  max_bytes: int = 2**30, block_size: int = DEFAULT_BLOCK_SIZE):
+        if not (isinstance(max_bytes, numbers.Integral) and not isinstance(max_bytes, bool) and max_bytes >= 0):
+            raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r:.80}")
         self.model = model
         self.engine = Engine(model, num_blocks=_INITIAL_BLOCKS, block_size=block_size, max_num_seqs=1,
                              prefix_caching=True, snapshot_interval=snapshot_interval, prefix_cache_bytes=max_bytes,

@@ -148,7 +148,8 @@ class Completion:
 
     token_ids: the generated ids, the stop token included when `finish_reason == "stop"`.
     text: the decoded continuation without special tokens and without the stop token.
-    finish_reason: "stop" (a stop id was produced) or "length" (`max_new_tokens` reached).
+    finish_reason: "stop" (a stop id was produced), "length" (`max_new_tokens` reached) or, on the serving
+    engine, "abort" (cancelled).
     acceptance_rate: with speculative decoding, the share of drafted tokens the model accepted.
     cached_tokens: prompt tokens taken from a prefix cache instead of computed.
     prefill_seconds / decode_seconds: wall time of the batch's prefill (up to the first token) and of the

@@ -25,41 +25,22 @@ from pathlib import Path
 
 import torch
 
+from bench_prefix_cache import build, model_arguments  # scripts/ is on the path of a script run from it
 from hybrid.atomic import atomic_write_text
-from hybrid.cli import DEFAULT_CHECKPOINT
-from hybrid.config import HybridConfig
-from hybrid.dtypes import torch_dtype
 from hybrid.generate import generate_ids
-from hybrid.loading import build_model, load
 from hybrid.serving.engine import Engine
-from hybrid.training import init_weights
-
-
-def build(args):
-    if args.config:
-        config = HybridConfig.from_file(args.config)
-        model = build_model(config, torch.float32, device="cpu")
-        init_weights(model, seed=0)
-        return model.cast(torch_dtype(args.dtype)).eval(), Path(args.config).name
-    model, _ = load(args.checkpoint or DEFAULT_CHECKPOINT, dtype=args.dtype)
-    return model.eval(), str(args.checkpoint or DEFAULT_CHECKPOINT.name)
 
 
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", nargs="?", default=None, help="checkpoint directory (default: the shipped one)")
-    p.add_argument("--config", default=None, help="config.json to build with random weights instead")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    model_arguments(p)
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("engine_bench.json"))
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     model, name = build(args)
     g = torch.Generator().manual_seed(0)
     lo = max(1, args.prompt_tokens // 2)

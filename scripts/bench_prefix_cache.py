@@ -42,7 +42,18 @@ def write_json(path: Path, content, indent: int = 1) -> None:
     atomic_write_text(path, json.dumps(content, indent=indent, default=str) + "\n")
 
 
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options naming the model a bench runs: a checkpoint, or a config built with random weights."""
+    p.add_argument("checkpoint", nargs="?", default=None, help="checkpoint directory (default: the shipped one)")
+    p.add_argument("--config", default=None, help="config.json to build with random weights instead")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=None)
+
+
 def build(args):
+    """(model, its name) from `model_arguments`' options; sets the torch threads."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.config:
         config = HybridConfig.from_file(args.config)
         model = build_model(config, torch.float32, device="cpu")
@@ -55,19 +66,14 @@ def build(args):
 @torch.inference_mode()
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", nargs="?", default=None, help="checkpoint directory (default: the shipped one)")
-    p.add_argument("--config", default=None, help="config.json to build with random weights instead")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    model_arguments(p)
     p.add_argument("--prefix-tokens", type=int, default=8192)
     p.add_argument("--question-tokens", type=int, default=32)
     p.add_argument("--snapshot-interval", type=int, default=256,
                    help="prompt tokens between Mamba snapshots (a multiple of the KV block size 16)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("prefix_cache_bench.json"))
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
 
     model, name = build(args)
     V = model.config.vocab_size

@@ -60,8 +60,11 @@ def assert_close64(ours: torch.Tensor, ref: torch.Tensor, rtol=1e-5, what=""):
 
 
 def record_ops(monkeypatch):
-    """Record the arguments our mixer passes to ssd_scan / ssd_step (x, dt, A, B, C)."""
+    """Record the arguments our mixer passes to ssd_scan / ssd_step (x, dt, A, B, C). The decode step runs
+    its PyTorch specification (`hybrid.ops.decode`, whose SSD step is recorded); the fused CPU kernel is held
+    to that specification in tests/test_mamba_kernel.py."""
     import hybrid.layers.mamba2 as mamba2
+    import hybrid.ops.decode as decode
 
     calls = []
     real_scan, real_step = mamba2.ssd_scan, mamba2.ssd_step
@@ -74,8 +77,12 @@ def record_ops(monkeypatch):
         calls.append(("step", x.clone(), dt.clone(), A.clone(), B.clone(), C.clone()))
         return real_step(x, dt, A, B, C, state)
 
+    def decode_step(*args):
+        return decode.mamba_decode_step(*args, mamba2.conv_step, step)
+
     monkeypatch.setattr(mamba2, "ssd_scan", scan)
     monkeypatch.setattr(mamba2, "ssd_step", step)
+    monkeypatch.setattr(mamba2, "mamba_decode_step", decode_step)
     return calls
 
 

@@ -297,26 +297,55 @@ def test_snapshots_stay_within_their_byte_budget_least_recently_used_out(model):
 # ---------------------------------------------------------------------------------------------- errors
 def test_bad_requests_and_sizes_are_clear_errors(model):
     engine = Engine(model, num_blocks=8, block_size=4)
-    with pytest.raises(ValueError, match="vocabulary"):
-        engine.add_request([1, 96], None, 4)
-    with pytest.raises(ValueError, match="empty"):
-        engine.add_request([], None, 4)
-    with pytest.raises(ValueError, match="max_model_len is 32"):
-        engine.add_request(list(range(3, 35)), None, 4)
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        engine.add_request([5], None, 0)
-    engine.add_request([5], None, 2, request_id="a")
+    for args, match in [(([1, 96],), r"token id 96 \(prompt_ids\[1\]\) is outside"), (([],), "non-empty"),
+                        (([1, 2.0],), r"prompt_ids\[1\] must be a Python int"),
+                        ((list(range(3, 35)),), "prompt_ids has 32 tokens; this engine's max_model_len is 32"),
+                        (([5], None, 0), "max_tokens must be an integer >= 1"),
+                        (([5], 0.5), "sampling must be a SamplingParams"),
+                        (([5], None, 4, 2), "stop_ids must be a list of int token ids"),
+                        (([5], None, 4, ["a"]), "stop_ids must be a list of int token ids")]:
+        with pytest.raises(ValueError, match=match):
+            engine.add_request(*args)
+    assert not engine.requests and not engine.has_unfinished() and engine.blocks.num_free == 8
+    engine.add_request([5], None, 2, request_id="1")
+    assert engine.add_request([6], None, 2) == "0" and engine.add_request([6], None, 2) == "2"  # auto ids skip "1"
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request([6], None, 2, request_id="a")
+        engine.add_request([6], None, 2, request_id="1")
     with pytest.raises(ValueError, match="has not finished"):
-        engine.release("a")
-    with pytest.raises(ValueError, match="max_model_len"):
-        Engine(model, num_blocks=8, block_size=4, max_model_len=33)
-    with pytest.raises(ValueError, match=">= 1"):
-        Engine(model, num_blocks=0)
-    with pytest.raises(ValueError, match="multiple of the block size"):
-        Engine(model, block_size=16, prefix_caching=True, snapshot_interval=24)
-    assert not engine.blocks.num_free < 8 - 1  # refused requests held nothing
+        engine.release("1")
+    with pytest.raises(ValueError, match="has not finished"):
+        engine.completion("1")
+    with pytest.raises(ValueError, match="unknown request id"):
+        engine.completion("nope")
+    for kwargs, match in [(dict(max_model_len=33), "max_model_len"), (dict(num_blocks=0), "num_blocks must be"),
+                          (dict(max_num_seqs=0), "max_num_seqs must be"), (dict(num_blocks=2.5), "num_blocks must be"),
+                          (dict(max_num_batched_tokens=True), "max_num_batched_tokens must be"),
+                          (dict(max_model_len=5.5), "max_model_len must be"),
+                          (dict(prefix_caching=True, snapshot_interval=6), "multiple of the block size")]:
+        with pytest.raises(ValueError, match=match):
+            Engine(model, **{"num_blocks": 8, "block_size": 4, **kwargs})
+    with pytest.raises(ValueError, match="num_seqs must be"):
+        engine.reserve(-3)
+
+
+def test_a_refused_batch_queues_none_of_its_prompts(model):
+    engine = Engine(model, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=r"prompts\[1\] has 40 tokens"):
+        engine.generate([[5, 6, 7], [3] * 40])
+    with pytest.raises(ValueError, match=r"token id 99 \(prompts\[1\]\[0\]\)"):
+        engine.generate([[5, 6, 7], [99]])
+    assert not engine.requests and not engine.has_unfinished()
+
+
+def test_an_abort_is_reported_by_the_next_step(model):
+    engine = Engine(model, num_blocks=32, block_size=4)
+    a, b = engine.add_request([5, 6, 7], None, 8), engine.add_request([8, 9], None, 8)
+    engine.step()
+    engine.abort(a)
+    outs = engine.step()
+    assert outs[0].request_id == a and outs[0].finished and outs[0].finish_reason == "abort"
+    assert [o.request_id for o in outs[1:]] == [b]
+    assert engine.completion(a).finish_reason == "abort"
 
 
 def test_a_saved_prefix_cache_serves_a_fresh_engine(model, tmp_path):

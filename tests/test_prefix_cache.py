@@ -235,6 +235,30 @@ def test_queries_count_admissions_not_attempts(model):
     assert engine.prefix.queries == 2 + engine.scheduler.num_preemptions
 
 
+def test_a_prefix_cache_of_another_model_is_refused(model, checkpoint):
+    pc = cache(model)
+    with pytest.raises(ValueError, match="another model"):
+        generate_ids(checkpoint("all4_ng2_gqa4_c8").ours, [ids(20, 56)], 4, prefix_cache=pc)
+
+
+def test_a_load_into_a_full_pool_counts_only_usable_snapshots(model, tmp_path):
+    """Only the blocks that fit are loaded (parents first), and only snapshots on them are kept."""
+    doc = ids(40, 57)
+    source = Engine(model, num_blocks=64, block_size=4, prefix_caching=True, snapshot_interval=8)
+    source.generate([doc + [5]], max_tokens=1)
+    source.save_prefix_cache(tmp_path / "d.safetensors")
+    small = Engine(model, num_blocks=12, block_size=4, prefix_caching=True, snapshot_interval=8)
+    held = small.add_request(ids(30, 58), None, 20)
+    while small.requests[held].num_computed < 30:
+        small.step()  # its prompt in 8 of the 12 blocks
+    assert small.blocks.num_free == 4
+    own = len(small.prefix.snapshots)
+    added = small.load_prefix_cache(tmp_path / "d.safetensors")
+    assert added == 2 and len(small.prefix.snapshots) == own + 2  # the snapshots at 8 and 16: 4 blocks fit
+    assert small.prefix.match(doc + [5]) == 16
+    small.abort(held)
+
+
 def test_one_changed_weight_element_in_an_expert_bank_makes_the_old_file_stale(tmp_path):
     """The file of a model whose expert bank then changes by one element in the middle of one expert is
     refused as another model's; the model's own file still loads."""

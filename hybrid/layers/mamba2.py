@@ -23,7 +23,7 @@ from torch import nn
 from hybrid.cache import MambaState, StepContext
 from hybrid.config import HybridConfig
 from hybrid.layers.norm import GatedRMSNorm
-from hybrid.ops import causal_conv1d, conv_step, ssd_scan, ssd_step
+from hybrid.ops import causal_conv1d, conv_step, mamba_decode_step, ssd_scan, ssd_step
 
 
 class Mamba2Mixer(nn.Module):
@@ -53,19 +53,45 @@ class Mamba2Mixer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None, state: MambaState | None = None) -> torch.Tensor:
         """`state`: this layer's handle from `Cache.layer` (for a packed forward, `state.seq(s)` gives sequence
-        `s`'s `MambaState`, a view of its slot), or None without a cache."""
+        `s`'s `MambaState`, a view of its slot, and `state.rows(seqs)` the pools and the sequences' rows in
+        them), or None without a cache."""
         b, T, _ = x.shape
         mask = ctx.mask if ctx is not None else None
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        record = state is not None and ctx is not None and ctx.record
         if ctx is not None and ctx.packed is not None:  # the recurrences per sequence, each in its own slot
-            y = torch.cat([self._mix(xBC[:, s0:s1], dt[:, s0:s1], None, state.seq(s), False)
-                           for s, s0, s1 in ctx.packed.segments()], dim=1)
+            y = self._mix_packed(xBC, dt, ctx.packed, state)
+        elif state is not None and T == 1 and mask is None and not record:  # decode: one step per row
+            y = self._decode(xBC[:, 0], dt[:, 0], state.conv, state.ssm, torch.arange(b, device=x.device))[:, None]
         else:
-            y = self._mix(xBC, dt, mask, state, state is not None and ctx is not None and ctx.record)
+            y = self._mix(xBC, dt, mask, state, record)
         y = self.norm(y.reshape(b, T, self.d_inner), z, out_dtype=x.dtype)
         return self.out_proj(y)
+
+    def _decode(self, xBC, dt, conv, ssm, index) -> torch.Tensor:
+        """One token of each of S sequences whose states are rows `index` of `conv` / `ssm` (in place):
+        xBC [S, conv_dim], dt [S, nh] -> y [S, nh, p] fp32 with the D skip (`hybrid.ops.mamba_decode_step`)."""
+        return mamba_decode_step(xBC, dt, conv, ssm, index, self.conv1d.weight[:, 0], self.conv1d.bias, self.dt_bias,
+                                 -torch.exp(self.A_log.float()), self.D, self.time_step_limit, self.d_inner,
+                                 self.n_groups)
+
+    def _mix_packed(self, xBC, dt, packed, state) -> torch.Tensor:
+        """The recurrences of the packed sequences: every one-token sequence (a decode) in one
+        `_decode` over its slot rows, the others (prompt chunks) one by one on views of their slots."""
+        segments = list(packed.segments())
+        singles = [(s, s0) for s, s0, s1 in segments if s1 - s0 == 1]
+        ys = {}
+        if singles:
+            conv, ssm, index = state.rows([s for s, _ in singles])
+            at = torch.tensor([s0 for _, s0 in singles], device=xBC.device)
+            y = self._decode(xBC[0, at], dt[0, at], conv, ssm, index)
+            ys = {s: y[j][None, None] for j, (s, _) in enumerate(singles)}
+        for s, s0, s1 in segments:
+            if s not in ys:
+                ys[s] = self._mix(xBC[:, s0:s1], dt[:, s0:s1], None, state.seq(s), False)
+        return torch.cat([ys[s] for s, _, _ in segments], dim=1)
 
     def _mix(self, xBC: torch.Tensor, dt: torch.Tensor, mask: torch.Tensor | None, state: MambaState | None,
              record: bool) -> torch.Tensor:

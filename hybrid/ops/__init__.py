@@ -1,8 +1,9 @@
 """The seam that picks the implementation of the Mamba-2 hot operations.
 
-The plain PyTorch versions (`ssd.py`, `conv1d.py`) are the specification and what runs on the CPU. On a
-CUDA tensor, when the `mamba-ssm` / `causal-conv1d` packages (extra `cuda`) are importable, the SSD scan,
-the recurrent step and the decode conv step use their kernels instead. The scan kernels take the already
+The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`) are the specification. On a CUDA tensor,
+when the `mamba-ssm` / `causal-conv1d` packages (extra `cuda`) are importable, the SSD scan, the recurrent
+step and the decode conv step use their kernels instead; on the CPU, the whole decode step of several
+sequences (`mamba_decode_step`) runs in the C++ kernel of `cpu.py` when it builds. The scan kernels take the already
 processed `dt` (softplus, clamp and padding mask applied by the mixer), so every path shares one
 definition of `dt` (tests/test_cases.py, case 1).
 """
@@ -11,11 +12,15 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from hybrid.ops import conv1d as _conv
+from hybrid.ops import cpu as _cpu
+from hybrid.ops import decode as _decode
 from hybrid.ops import ssd as _ssd
 from hybrid.ops.conv1d import causal_conv1d
 
-__all__ = ["causal_conv1d", "conv_step", "ssd_scan", "ssd_step"]
+__all__ = ["causal_conv1d", "conv_step", "mamba_decode_step", "ssd_scan", "ssd_step"]
 
 
 @functools.cache
@@ -73,3 +78,26 @@ def conv_step(x, window, weight, bias):
     if kernel is None:
         return _conv.causal_conv1d_update(x, window, weight, bias)
     return kernel(x[:, :, None], window, weight, bias, activation="silu")[:, :, 0]
+
+
+def mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, time_step_limit, d_inner: int,
+                      n_groups: int) -> torch.Tensor:
+    """One decode token for each of S sequences whose Mamba states are rows `index` of the pools, updated in
+    place: conv step + SiLU, dt = clamp(softplus(dt + dt_bias), *time_step_limit), SSD step, + D x.
+
+    Args:
+        xBC: [S, conv_dim] the in_proj output's conv part (model dtype); dt: [S, nh] its raw dt part.
+        conv: [R, conv_dim, K-1] conv windows (model dtype); ssm: [R, nh, P, N] fp32 states; index: [S] int64
+            rows of the S sequences (distinct).
+        weight: [conv_dim, K] conv taps; bias: [conv_dim] or None; dt_bias, A (= -exp(A_log)), D: [nh].
+    Returns:
+        y [S, nh, P] fp32 (the D skip included), what the gated norm reads.
+    """
+    ext = _cpu.module() if xBC.device.type == "cpu" and xBC.dtype in (torch.float32, torch.bfloat16) else None
+    if ext is not None and conv.is_contiguous() and ssm.is_contiguous() and ssm.dtype == torch.float32 \
+            and conv.dtype == xBC.dtype:
+        lo, hi = time_step_limit
+        return ext.mamba_step_slots(xBC, dt, conv, weight, bias, dt_bias, A, D, float(lo), float(hi), ssm, index,
+                                    d_inner, n_groups)
+    return _decode.mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, time_step_limit,
+                                     d_inner, n_groups, conv_step, ssd_step)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from hybrid.batch import check_max_new_tokens, check_prompts
+from hybrid.batch import check_max_new_tokens, outside_vocabulary
 from hybrid.model import HybridForCausalLM
 from hybrid.sampling import Completion, SamplingParams, for_call, sample
 from hybrid.serving.blocks import BlockPool
@@ -39,6 +40,11 @@ from hybrid.serving.slots import StateSlots
 DEFAULT_NUM_BLOCKS = 2048
 DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # tokens per forward (as generate's prefill chunk)
+
+
+def _check_size(name: str, value) -> None:
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r:.80}")
 
 
 @dataclass
@@ -68,8 +74,8 @@ class Engine:
         grow: the KV pool grows (doubling) when it runs out instead of preempting, and requests have no
             length limit: for one user's generation calls (`hybrid.prefix_cache.PrefixCache`), not a server.
     Raises:
-        ValueError: a size below 1, max_model_len past what the pool holds, or a snapshot_interval that is
-            not a multiple of block_size.
+        ValueError: a size that is not an integer >= 1 (named), max_model_len past what the pool holds or
+            below 2, or a snapshot_interval that is not a multiple of block_size.
     """
 
     def __init__(self, model: HybridForCausalLM, num_blocks: int = DEFAULT_NUM_BLOCKS,
@@ -79,6 +85,14 @@ class Engine:
                  prefix_cache_bytes: int = DEFAULT_MAX_BYTES, grow: bool = False):
         self.model = model
         config = model.config
+        for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("snapshot_interval", snapshot_interval)):
+            _check_size(name, value)
+        if max_model_len is not None:
+            _check_size("max_model_len", max_model_len)
+        if not (isinstance(prefix_cache_bytes, numbers.Integral) and not isinstance(prefix_cache_bytes, bool)
+                and prefix_cache_bytes >= 0):
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r:.80}")
         self.blocks = BlockPool(config, num_blocks, block_size, model.dtype, model.device)
         self.slots = StateSlots(config, max_num_seqs, model.dtype, model.device)
         pool_tokens = num_blocks * block_size
@@ -93,53 +107,78 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
         self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._aborted: list[RequestOutput] = []  # reported by the next step
         self._times: dict[str, list[float]] = {}  # request id -> [added, first token, last token]
 
     # ------------------------------------------------------------------------------------------ requests
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, max_tokens: int = 256,
                     stop_ids=(), request_id: str | None = None) -> str:
-        """Queue a request; returns its id. A seeded `sampling` starts from its seed (`SamplingParams.fresh`),
-        so the same object gives the same tokens in every request.
+        """Queue a request; returns its id (default: the next free number). A seeded `sampling` starts from
+        its seed (`SamplingParams.fresh`), so the same object gives the same tokens in every request.
 
         Raises:
             ValueError: a prompt that is not a non-empty list of int ids in the vocabulary, one of
                 `max_model_len` tokens or more (no room for a token to generate), max_tokens not an integer
-                >= 1, sampling not a `SamplingParams`, or a request id already in use.
+                >= 1, sampling not a `SamplingParams`, stop_ids not a list of int ids, or a request id
+                already in use. A refused request leaves nothing behind.
         """
-        check_prompts([prompt_ids], self.model.config.vocab_size)
+        checked = self._check(prompt_ids, sampling, max_tokens, stop_ids, "prompt_ids")
+        if request_id is not None and str(request_id) in self.requests:
+            raise ValueError(f"request id {str(request_id)!r} is already in use")
+        return self._enqueue(*checked, request_id=request_id)
+
+    def _check(self, prompt_ids, sampling, max_tokens, stop_ids, where: str):
+        """The request's (prompt, sampling, max_tokens, stop ids), checked (see `add_request`)."""
         vocab = self.model.config.vocab_size
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise ValueError(f"{where} must be a non-empty list of token ids, got {prompt_ids!r:.80}")
         for pos, t in enumerate(prompt_ids):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                raise ValueError(f"{where}[{pos}] must be a Python int token id in [0, {vocab}) (config.vocab_size), "
+                                 f"got {t!r:.80}")
             if not 0 <= t < vocab:
-                raise ValueError(f"token id {t} (prompt_ids[{pos}]) is outside the model's vocabulary: ids must lie "
-                                 f"in [0, {vocab}) (config.vocab_size)")
+                raise ValueError(outside_vocabulary(int(t), f"{where}[{pos}]", vocab))
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; this engine's max_model_len is "
+            raise ValueError(f"{where} has {len(prompt_ids)} tokens; this engine's max_model_len is "
                              f"{self.max_model_len}, which leaves no room to generate")
-        max_tokens = check_max_new_tokens(max_tokens)
-        sampling = for_call(sampling, 1)
-        if not isinstance(sampling, SamplingParams):
-            raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-        arrival = next(self._arrivals)
-        request_id = str(arrival) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, list(prompt_ids), sampling, max_tokens, frozenset(stop_ids), arrival)
+        max_tokens = check_max_new_tokens(max_tokens, "max_tokens")
+        if sampling is not None and not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        if not isinstance(stop_ids, (list, tuple, set, frozenset)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stop_ids):
+            raise ValueError(f"stop_ids must be a list of int token ids, got {stop_ids!r:.80}")
+        return [int(t) for t in prompt_ids], for_call(sampling, 1), max_tokens, frozenset(int(t) for t in stop_ids)
+
+    def _enqueue(self, prompt_ids, sampling, max_tokens, stop_ids, request_id=None) -> str:
+        if request_id is None:
+            request_id = str(next(self._ids))
+            while request_id in self.requests:
+                request_id = str(next(self._ids))
+        request_id = str(request_id)
+        request = Request(request_id, prompt_ids, sampling, max_tokens, stop_ids, next(self._arrivals))
         self.requests[request_id] = request
         self.scheduler.add(request)
         self._times[request_id] = [time.perf_counter(), math.nan, math.nan]
         return request_id
 
     def reserve(self, num_seqs: int) -> None:
-        """Let `num_seqs` requests run at once (more state slots if needed)."""
+        """Let `num_seqs` requests run at once (more state slots if needed).
+
+        Raises:
+            ValueError: num_seqs not an integer >= 1.
+        """
+        _check_size("num_seqs", num_seqs)
         self.slots.grow(num_seqs)
         self.scheduler.max_num_seqs = max(self.scheduler.max_num_seqs, num_seqs)
 
     def abort(self, request_id: str) -> None:
-        """Cancel a waiting or running request, freeing its blocks and slot now (a finished or unknown id is
-        ignored)."""
+        """Cancel a waiting or running request, freeing its blocks and slot now; the next `step` reports it
+        finished with reason "abort" (a finished or unknown id is ignored)."""
         request = self.requests.get(request_id)
         if request is not None and request.status is not Status.FINISHED:
             self.scheduler.finish(request, "abort")
+            self._aborted.append(RequestOutput(request_id, [], True, "abort", request.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -148,11 +187,12 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one forward over the scheduled sequences; the new token of each request that produced one
-        (and the requests that finished, with why)."""
+        (and the requests that finished, with why; aborted ones since the last step first)."""
+        outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
             self.last_step = StepStats()
-            return []
+            return outputs
         self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n) for r, n in scheduled])
         ids = [t for r, n in scheduled for t in r.all_ids[r.num_computed:r.num_computed + n]]
         hidden = self.model.hidden_states(torch.tensor([ids], device=self.model.device), self.cache)[0]
@@ -167,10 +207,9 @@ class Engine:
         if self.prefix is not None:
             self.prefix.after_step(scheduled, self.cache)
         if not ends:
-            return []
+            return outputs
         logits = self.model.logits(hidden[[i for _, i in ends]])
         now = time.perf_counter()
-        outputs = []
         for j, (r, _) in enumerate(ends):
             token = int(sample(logits[j:j + 1], r.sampling))
             r.output_ids.append(token)
@@ -217,12 +256,20 @@ class Engine:
         """Run `prompts` (token id lists) to completion together; one `Completion` per prompt, in order
         (text empty). `sampling`: one for all (each request then draws from its own generator started at
         its seed, as a server's per-request seed) or one per prompt. `on_tokens` is called after each step
-        that produced tokens, with each prompt's new token (None for the others)."""
-        check_prompts(prompts, self.model.config.vocab_size)
+        that produced tokens, with each prompt's new token (None for the others). Every prompt is checked
+        before any is queued (errors name `prompts[i]`). Outputs of requests added by other callers are
+        consumed by these steps: mix the two only through `step`.
+
+        Raises:
+            ValueError: see `add_request`; or `sampling` a list of another length than `prompts`.
+        """
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"prompts must be a non-empty list of token id lists, got {prompts!r:.80}")
         per = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(per) != len(prompts):
             raise ValueError(f"{len(per)} sampling parameter sets for {len(prompts)} prompts")
-        ids = [self.add_request(p, s, max_tokens, stop_ids) for p, s in zip(prompts, per)]
+        checked = [self._check(p, s, max_tokens, stop_ids, f"prompts[{i}]") for i, (p, s) in enumerate(zip(prompts, per))]
+        ids = [self._enqueue(*c) for c in checked]
         row_of = {rid: row for row, rid in enumerate(ids)}
         try:
             while any(self.requests[i].status is not Status.FINISHED for i in ids):
@@ -240,8 +287,16 @@ class Engine:
                 self.release(i)
 
     def completion(self, request_id: str) -> Completion:
-        """The `Completion` of a finished request (prefill time: from its arrival to its first token)."""
-        r = self.requests[request_id]
+        """The `Completion` of a finished request (prefill time: from its arrival to its first token).
+
+        Raises:
+            ValueError: an unknown request id, or a request that has not finished.
+        """
+        r = self.requests.get(request_id)
+        if r is None:
+            raise ValueError(f"unknown request id {request_id!r}")
+        if r.status is not Status.FINISHED:
+            raise ValueError(f"request {request_id!r} has not finished")
         added, first, last = self._times[request_id]
         return Completion(list(r.output_ids), r.finish_reason or "length", len(r.prompt_ids), first - added, last - first,
                           cached_tokens=r.num_cached_tokens)

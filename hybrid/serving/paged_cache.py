@@ -6,7 +6,8 @@ table, state slot, positions already computed and new tokens); the model's forwa
 `Cache.layer(i).seq(s)`:
 - attention: `update(k, v, start)` writes the sequence's new keys and values into its blocks and returns
   all of its keys and values [1, nkv, start + T, hd] (gathered from its block table);
-- Mamba: a batch-1 `MambaState` of views of the sequence's slot, updated in place.
+- Mamba: a batch-1 `MambaState` of views of the sequence's slot, updated in place; `rows(seqs)` gives the
+  pools and the slots of several sequences, whose decode tokens then run in one step.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ class _MambaLayer:
 
     def seq(self, s: int) -> MambaState:
         return self.cache.slots.view(self.j, self.cache.seqs[s].slot)
+
+    def rows(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv pool, ssm pool, the slots of sequences `seqs` [len(seqs)] int64): for one decode step of
+        several sequences in place (`hybrid.ops.mamba_decode_step`)."""
+        slots = self.cache.slots
+        index = torch.tensor([self.cache.seqs[s].slot for s in seqs], dtype=torch.long, device=slots.ssm[self.j].device)
+        return slots.conv[self.j], slots.ssm[self.j], index
 
 
 class PagedCache(Cache):

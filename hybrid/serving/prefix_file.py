@@ -75,8 +75,8 @@ def save(prefix: PrefixCaching, path: str | Path) -> None:
 
 def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size: int, grow: bool = False) -> int:
     """Add the blocks and snapshots of `path` (see `save`); returns the snapshots added. Blocks go into free
-    blocks of the pool (grown first when `grow`; otherwise as many as fit, least recently used cached blocks
-    handed out first), each left free and named.
+    blocks of the pool (grown first when `grow`; otherwise as many as fit, parents first, least recently used
+    cached blocks handed out first), each left free and named; a snapshot whose block did not fit is left out.
 
     Raises:
         PrefixCacheFileError: not a readable safetensors file (cut short, another format), another format
@@ -105,7 +105,8 @@ def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size:
         pool.name(block, name)
         loaded.append(block)
     pool.release(loaded)  # last first, parents after their children: a prefix's head is handed out last
-    return sum(prefix.add(s) for s in snapshots)
+    usable = [s for s in snapshots if s.parent == prefix.identity or pool.find(s.parent) is not None]
+    return sum(prefix.add(s) for s in usable)  # a snapshot whose blocks did not fit would never be used
 
 
 def _read(prefix: PrefixCaching, slots: StateSlots, path, f, vocab_size: int):

@@ -41,33 +41,39 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def build_name(source: bytes, torch_version: str, cpu_flags: str, flags: tuple[str, ...] = FLAGS) -> str:
+def build_name(source: bytes, torch_version: str, cpu_flags: str, flags: tuple[str, ...] = FLAGS,
+               prefix: str = "hybrid_packed") -> str:
     """The extension's name and cache directory: a digest of what the build depends on."""
     key = hashlib.sha256(source + " ".join(flags).encode() + torch_version.encode() + cpu_flags.encode())
-    return f"hybrid_packed_{key.hexdigest()[:16]}"
+    return f"{prefix}_{key.hexdigest()[:16]}"
 
 
 @functools.cache
 def module(portable: bool = False):
     """The compiled extension, built on first use; None when it is disabled or cannot be built.
     `portable`: the build without AVX-512 (what a CPU without it runs; tests compare it too)."""
+    return build(SOURCE, "hybrid_packed", FLAGS + PORTABLE if portable else FLAGS,
+                 "the packed-weight CPU kernels (once for this source, torch and CPU; about 30 s)")
+
+
+def build(source: Path, prefix: str, flags: tuple[str, ...] = FLAGS, what: str = "a CPU kernel"):
+    """Compile the C++ extension `source` on first use into `$HYBRID_CACHE/kernels/<prefix>_<digest>` (the
+    digest of `build_name`: never used for another source, torch or CPU), saying so once; None when
+    `HYBRID_CPU_KERNELS=0` is set or it cannot be built (a warning names why)."""
     if os.environ.get("HYBRID_CPU_KERNELS", "1") == "0":
         return None
-    flags = FLAGS + PORTABLE if portable else FLAGS
-    name = build_name(SOURCE.read_bytes(), torch.__version__, _cpu_flags(), flags)
+    name = build_name(source.read_bytes(), torch.__version__, _cpu_flags(), flags, prefix)
     directory = Path(os.environ.get("HYBRID_CACHE", Path.home() / ".cache" / "hybrid")) / "kernels" / name
     try:
         from torch.utils.cpp_extension import load
 
         directory.mkdir(parents=True, exist_ok=True)
         if not any(directory.glob(f"{name}*.so")):
-            print("compiling the packed-weight CPU kernels (once for this source, torch and CPU; about 30 s) ...",
-                  file=sys.stderr, flush=True)
-        return load(name=name, sources=[str(SOURCE)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
+            print(f"compiling {what} ...", file=sys.stderr, flush=True)
+        return load(name=name, sources=[str(source)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
                     build_directory=str(directory), verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path is always correct
-        warnings.warn(f"packed-weight CPU kernels unavailable, using the PyTorch path ({type(e).__name__}: {e})",
-                      stacklevel=2)
+        warnings.warn(f"{what} unavailable, using the PyTorch path ({type(e).__name__}: {e})", stacklevel=3)
         return None
 
 
