@@ -1,8 +1,11 @@
-"""The `hybrid` command: `generate` text from a checkpoint, `info` about a checkpoint or config, `quantize`.
+"""The `hybrid` command: `generate` text from a checkpoint, `serve` it over the OpenAI API, `info` about a
+checkpoint or config, `quantize`.
 
     hybrid generate [MODEL] --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-k K]
                     [--top-p P] [--seed S] [--dtype D] [--act-quant] [--speculative N]
                     [--prefix-cache FILE [--prefix-snapshot-interval N]] [--json]
+    hybrid serve [MODEL] [--host H] [--port P] [--max-num-seqs N] [--max-model-len L] [--memory SIZE]
+                 [--max-queue Q] [--no-prefix-cache] [--prefix-cache-file FILE] [--api-key KEY]
     hybrid info [MODEL] [--format fp8|nvfp4|mxfp4] [--json]
     hybrid quantize SRC DST --format fp8|nvfp4|mxfp4 [--exclude PATTERN ...] [--calibration-samples N]
     (--format: also any format registered in `moe.quant.formats`)
@@ -130,6 +133,22 @@ def _prompt_text(prompt: str) -> tuple[str, str | None]:
     if problem:
         return "", f"--prompt is not valid UTF-8: {problem}"
     return prompt, None
+
+
+def _serve(args) -> int:
+    if not _default_model(args):
+        return 2
+    if args.prefix_cache_file:
+        from hybrid.atomic import check_writable
+
+        try:
+            check_writable(args.prefix_cache_file)
+        except OSError as e:
+            print(f"error: --prefix-cache-file: {e}", file=sys.stderr)
+            return 2
+    from hybrid.serving.serve import serve
+
+    return serve(args)
 
 
 def _info(args) -> int:
@@ -381,6 +400,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompts' ends; a multiple of 16; default: %(default)s)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(func=_generate)
+
+    v = sub.add_parser("serve", help="serve a checkpoint over the OpenAI API (continuous batching, prefix cache)")
+    v.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub repo id (default: shipped checkpoint)")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
+    v.add_argument("--port", type=_positive_int, default=8000)
+    v.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the directory's)")
+    v.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests running at once (state slots)")
+    v.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest request, prompt and output (default: the config's, capped by the KV pool)")
+    v.add_argument("--memory", type=_memory, default=None, metavar="SIZE",
+                   help="memory budget (32GB, 24GiB) that sizes the state slots and KV blocks after the weights")
+    v.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
+    v.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
+    v.add_argument("--max-queue", type=_non_negative_int, default=256,
+                   help="requests that may wait besides the running ones; past it: 503 with Retry-After")
+    v.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="share cached prefixes across requests (default: on)")
+    v.add_argument("--prefix-cache-file", default=None, metavar="FILE",
+                   help="load the prefix cache from FILE at start (if it matches the model) and save it at exit")
+    v.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ requests")
+    v.set_defaults(func=_serve)
 
     i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json")
     i.add_argument("model", nargs="?", default=None,

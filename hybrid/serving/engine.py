@@ -123,13 +123,15 @@ class Engine:
                 >= 1, sampling not a `SamplingParams`, stop_ids not a list of int ids, or a request id
                 already in use. A refused request leaves nothing behind.
         """
-        checked = self._check(prompt_ids, sampling, max_tokens, stop_ids, "prompt_ids")
-        if request_id is not None and str(request_id) in self.requests:
-            raise ValueError(f"request id {str(request_id)!r} is already in use")
-        return self._enqueue(*checked, request_id=request_id)
+        return self.add_checked(self.check_request(prompt_ids, sampling, max_tokens, stop_ids), request_id)
 
-    def _check(self, prompt_ids, sampling, max_tokens, stop_ids, where: str):
-        """The request's (prompt, sampling, max_tokens, stop ids), checked (see `add_request`)."""
+    def check_request(self, prompt_ids, sampling=None, max_tokens=256, stop_ids=(), where: str = "prompt_ids"):
+        """The request's (prompt, sampling, max_tokens, stop ids), checked and normalised for `add_checked`
+        (reads only the config and `max_model_len`: a server checks requests on its own threads).
+
+        Raises:
+            ValueError: see `add_request` (prompt errors name `where`).
+        """
         vocab = self.model.config.vocab_size
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise ValueError(f"{where} must be a non-empty list of token ids, got {prompt_ids!r:.80}")
@@ -150,7 +152,15 @@ class Engine:
             raise ValueError(f"stop_ids must be a list of int token ids, got {stop_ids!r:.80}")
         return [int(t) for t in prompt_ids], for_call(sampling, 1), max_tokens, frozenset(int(t) for t in stop_ids)
 
-    def _enqueue(self, prompt_ids, sampling, max_tokens, stop_ids, request_id=None) -> str:
+    def add_checked(self, checked, request_id: str | None = None) -> str:
+        """Queue a request from `check_request`'s result; returns its id.
+
+        Raises:
+            ValueError: a request id already in use.
+        """
+        prompt_ids, sampling, max_tokens, stop_ids = checked
+        if request_id is not None and str(request_id) in self.requests:
+            raise ValueError(f"request id {str(request_id)!r} is already in use")
         if request_id is None:
             request_id = str(next(self._ids))
             while request_id in self.requests:
@@ -181,7 +191,8 @@ class Engine:
             self._aborted.append(RequestOutput(request_id, [], True, "abort", request.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request waits or runs, or an abort is still to be reported by `step`."""
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # ------------------------------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -268,8 +279,8 @@ class Engine:
         per = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(per) != len(prompts):
             raise ValueError(f"{len(per)} sampling parameter sets for {len(prompts)} prompts")
-        checked = [self._check(p, s, max_tokens, stop_ids, f"prompts[{i}]") for i, (p, s) in enumerate(zip(prompts, per))]
-        ids = [self._enqueue(*c) for c in checked]
+        checked = [self.check_request(p, s, max_tokens, stop_ids, f"prompts[{i}]") for i, (p, s) in enumerate(zip(prompts, per))]
+        ids = [self.add_checked(c) for c in checked]
         row_of = {rid: row for row, rid in enumerate(ids)}
         try:
             while any(self.requests[i].status is not Status.FINISHED for i in ids):

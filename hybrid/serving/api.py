@@ -1,0 +1,407 @@
+"""The OpenAI-compatible HTTP API over the serving engine (FastAPI; `hybrid serve` runs it with uvicorn).
+
+    POST /v1/completions        prompt: a text, a list of texts (one choice each), token ids, or lists of them
+    POST /v1/chat/completions   messages rendered by the checkpoint's chat template (sandboxed)
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+Both POST endpoints stream with `"stream": true` (server-sent events, `data: [DONE]` last;
+`stream_options.include_usage` adds a usage chunk). Parameters: max_tokens / max_completion_tokens,
+temperature (default 1, as OpenAI's), top_p, top_k (vLLM's extension), seed, stop (strings, never sent,
+matched across token boundaries), n (1 only), chat_template_kwargs (e.g. {"enable_thinking": false}).
+`usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix cache served. For a chat
+template that uses `<think>`, the thinking is returned as `reasoning_content` (`hybrid.serving.text`).
+
+Errors are OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for bad parameters and
+prompts past the model length (with the numbers), 401 without the `--api-key`, 404 for another model,
+413 for a body past `MAX_BODY_BYTES`, 503 with Retry-After when the queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import numbers
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from hybrid.sampling import SamplingParams
+from hybrid.serving.request import RequestOutput
+from hybrid.serving.runner import EngineRunner, Finished, QueueFull
+from hybrid.serving.text import THINK_OPEN, ReasoningSplitter, TextStream
+
+MAX_BODY_BYTES = 16 * 2**20
+MAX_STOP_STRINGS = 16
+# parameters this server does not implement, with the values that ask for nothing (accepted)
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "logit_bias": (None, {})}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind, self.headers = status, message, param, code, kind, headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param)
+
+
+def _number(body: dict, key: str, default, lo: float = -math.inf, hi: float = math.inf, integer: bool = False):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (not integer or float(value).is_integer())
+    if not ok or not math.isfinite(value) or not lo <= value <= hi:
+        kind = "an integer" if integer else "a number"
+        raise _bad(f"{key} must be {kind} in [{lo:g}, {hi:g}], got {json.dumps(value)[:80]}", key)
+    return int(value) if integer else float(value)
+
+
+class Server:
+    """The app's state: the runner, the tokenizer, the served name and the limits."""
+
+    def __init__(self, runner: EngineRunner, tokenizer, model_name: str, api_key: str | None = None):
+        self.runner, self.tokenizer, self.model_name, self.api_key = runner, tokenizer, model_name, api_key
+        self.engine = runner.engine
+        self.max_model_len = self.engine.max_model_len
+        self.thinks = tokenizer.chat_template is not None and THINK_OPEN in tokenizer.chat_template
+
+    # ------------------------------------------------------------------------------------------ parameters
+    def sampling(self, body: dict) -> SamplingParams:
+        temperature = _number(body, "temperature", 1.0, 0, 2)
+        top_p = _number(body, "top_p", 1.0, 0, 1)
+        if top_p == 0:
+            raise _bad("top_p must be in (0, 1], got 0", "top_p")
+        top_k = _number(body, "top_k", -1, -1, 2**31, integer=True)
+        seed = _number(body, "seed", None, -2**63, 2**64 - 1, integer=True)
+        return SamplingParams(temperature, top_k, top_p, seed)
+
+    def stop_strings(self, body: dict) -> list[str]:
+        stop = body.get("stop")
+        if stop is None:
+            return []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > MAX_STOP_STRINGS:
+            raise _bad(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+        return stop
+
+    def check_common(self, body: dict) -> None:
+        if body.get("model") not in (None, self.model_name):
+            raise APIError(404, f"The model `{body.get('model')}` does not exist (this server serves "
+                                f"`{self.model_name}`)", "model", "model_not_found")
+        if _number(body, "n", 1, 1, 2**31, integer=True) != 1:
+            raise _bad("n must be 1: this server returns one choice per prompt", "n")
+        for key, neutral in UNSUPPORTED.items():
+            if key in body and body[key] not in neutral:
+                raise _bad(f"{key} is not supported by this server", key)
+
+    def max_tokens(self, body: dict, prompt_len: int, default: int | None) -> int:
+        limit = self.max_model_len - prompt_len if self.max_model_len is not None else None
+        value = body.get("max_completion_tokens", body.get("max_tokens"))
+        key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if value is None:
+            value = default if default is not None else limit
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise _bad(f"{key} must be an integer >= 1, got {json.dumps(value)[:80]}", key)
+        if limit is not None and (limit < 1 or value > limit):
+            raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                       f"{prompt_len + value} tokens ({prompt_len} in the prompt, {value} in the completion). "
+                       "Please reduce the prompt or the completion length.", key)
+        return value
+
+    def check(self, prompt_ids, sampling, max_tokens, where: str):
+        try:
+            return self.engine.check_request(prompt_ids, sampling, max_tokens, self.tokenizer.stop_ids, where)
+        except ValueError as e:
+            raise _bad(str(e), "prompt") from None
+
+    # ------------------------------------------------------------------------------------------ running
+    async def run(self, http: Request, checked) -> tuple[str, asyncio.Queue]:
+        request_id = uuid.uuid4().hex
+        try:
+            return request_id, self.runner.submit(request_id, checked)
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy ({e}); retry later", kind="server_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+
+
+async def _next(stream: asyncio.Queue, http: Request | None, server: Server, request_id: str):
+    """The request's next item; with `http` (a response not streamed), aborts the request if the client went
+    away meanwhile (a streamed response learns it from Starlette, which cancels its generator)."""
+    if http is None:
+        return await stream.get()
+    while True:
+        try:
+            return await asyncio.wait_for(stream.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await http.is_disconnected():
+                server.runner.abort(request_id)
+                raise asyncio.CancelledError from None
+
+
+class _Choice:
+    """One prompt's generation as the API shows it: text (and reasoning), finish reason, token counts."""
+
+    def __init__(self, server: Server, stop: list[str], reasoning: ReasoningSplitter | None):
+        self.text = TextStream(server.tokenizer, stop, server.tokenizer.stop_ids)
+        self.reasoning = reasoning
+        self.finish_reason: str | None = None
+        self.completion_tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0
+        self.error: str | None = None
+
+    def take(self, item) -> tuple[str, str]:
+        """(reasoning delta, content delta) of one queue item."""
+        if isinstance(item, Finished):
+            self.prompt_tokens, self.cached_tokens, self.error = item.prompt_tokens, item.cached_tokens, item.error
+            text = self.text.finish()
+            parts = self._split(text)
+            if self.reasoning is not None:
+                r, c = self.reasoning.finish()
+                parts = (parts[0] + r, parts[1] + c)
+            return parts
+        out: RequestOutput = item
+        self.completion_tokens += len(out.new_token_ids)
+        text = self.text.add(out.new_token_ids)
+        if out.finished:
+            self.finish_reason = "stop" if out.finish_reason in ("stop", "abort") else out.finish_reason
+        if self.text.stopped:
+            self.finish_reason = "stop"
+        return self._split(text)
+
+    def _split(self, text: str) -> tuple[str, str]:
+        return self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="hybrid", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return e.response()
+
+    def check_access(http: Request) -> None:
+        """The API key and the body size, before anything else (a plain check in each /v1/ handler: a
+        Starlette `BaseHTTPMiddleware` would make `is_disconnected` report a disconnect that did not happen)."""
+        if server.api_key is not None and http.headers.get("authorization") != f"Bearer {server.api_key}":
+            raise APIError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+        length = http.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is {int(length):,} bytes, more than the limit of {MAX_BODY_BYTES:,}")
+
+    async def body_of(http: Request) -> dict:
+        check_access(http)
+        raw = await http.body()
+        if len(raw) > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is more than the limit of {MAX_BODY_BYTES:,} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise _bad("the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object")
+        server.check_common(body)
+        return body
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(http: Request):
+        check_access(http)
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+                                            "owned_by": "hybrid", "max_model_len": server.max_model_len}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        e = server.engine
+        lines = []
+
+        def metric(name: str, kind: str, value, help_text: str):
+            lines.extend([f"# HELP hybrid_{name} {help_text}", f"# TYPE hybrid_{name} {kind}", f"hybrid_{name} {value}"])
+
+        metric("requests_running", "gauge", len(e.scheduler.running), "requests holding a state slot")
+        metric("requests_waiting", "gauge", len(e.scheduler.waiting), "requests queued or preempted")
+        metric("kv_blocks_used", "gauge", e.blocks.num_blocks - e.blocks.num_free, "KV blocks held by requests")
+        metric("kv_blocks_total", "gauge", e.blocks.num_blocks, "KV blocks in the pool")
+        metric("state_slots_used", "gauge", e.slots.num_slots - e.slots.num_free, "Mamba state slots held")
+        metric("state_slots_total", "gauge", e.slots.num_slots, "Mamba state slots")
+        hits = e.prefix.hits if e.prefix else 0
+        metric("prefix_cache_hits_total", "counter", hits, "admissions resumed from the prefix cache")
+        metric("prefix_cache_queries_total", "counter", e.prefix.queries if e.prefix else 0, "admissions looked up")
+        metric("prefix_cache_tokens_total", "counter", e.prefix.cached_tokens if e.prefix else 0,
+               "prompt tokens served by the prefix cache")
+        metric("preemptions_total", "counter", e.scheduler.num_preemptions, "requests preempted for KV blocks")
+        metric("generation_tokens_total", "counter", server.runner.generated_tokens, "tokens generated")
+        elapsed = max(time.monotonic() - server.runner.started, 1e-9)
+        metric("generation_tokens_per_second", "gauge", f"{server.runner.generated_tokens / elapsed:.3f}",
+               "tokens generated per second since the server started")
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    async def generate(http: Request, body: dict, prompts: list[list[int]], chat: bool, in_thinking: bool = False):
+        sampling = server.sampling(body)
+        stop = server.stop_strings(body)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise _bad("stream must be true or false", "stream")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict):
+            raise _bad("stream_options must be an object", "stream_options")
+        usage_in_stream = bool(options.get("include_usage", False))
+        default = None if chat else 16
+        checked = []
+        for i, ids in enumerate(prompts):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            checked.append(server.check(ids, sampling, server.max_tokens(body, len(ids), default), where))
+        runs = []
+        try:
+            for c in checked:
+                runs.append(await server.run(http, c))
+        except APIError:
+            for request_id, _ in runs:
+                server.runner.abort(request_id)
+            raise
+        choices = [_Choice(server, stop, ReasoningSplitter(in_thinking) if chat and server.thinks else None) for _ in runs]
+        kind = "chat.completion" if chat else "text_completion"
+        response_id = ("chatcmpl-" if chat else "cmpl-") + runs[0][0]
+        created = int(time.time())
+
+        def usage() -> dict:
+            p = sum(c.prompt_tokens for c in choices)
+            g = sum(c.completion_tokens for c in choices)
+            return {"prompt_tokens": p, "completion_tokens": g, "total_tokens": p + g,
+                    "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)}}
+
+        if not stream:
+            try:
+                for (request_id, queue), choice in zip(runs, choices):
+                    reasoning, content = "", ""
+                    while True:
+                        item = await _next(queue, http, server, request_id)
+                        r, c = choice.take(item)
+                        reasoning, content = reasoning + r, content + c
+                        if isinstance(item, Finished):
+                            break
+                        if choice.text.stopped:
+                            server.runner.abort(request_id)
+                    if choice.error:
+                        raise APIError(500, f"generation failed: {choice.error}", kind="server_error")
+                    choice.result = (reasoning, content)
+            except asyncio.CancelledError:
+                for request_id, _ in runs:
+                    server.runner.abort(request_id)
+                raise
+            out = []
+            for i, choice in enumerate(choices):
+                reasoning, content = choice.result
+                if chat:
+                    message = {"role": "assistant", "content": content}
+                    if choice.reasoning is not None:
+                        message["reasoning_content"] = reasoning
+                    out.append({"index": i, "message": message, "finish_reason": choice.finish_reason})
+                else:
+                    out.append({"index": i, "text": content, "logprobs": None, "finish_reason": choice.finish_reason})
+            return {"id": response_id, "object": kind, "created": created, "model": server.model_name,
+                    "choices": out, "usage": usage()}
+
+        async def events():
+            chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+            def chunk(i: int, delta: dict | str, finish=None) -> str:
+                choice = ({"index": i, "delta": delta, "finish_reason": finish} if chat
+                          else {"index": i, "text": delta, "logprobs": None, "finish_reason": finish})
+                body = {"id": response_id, "object": chunk_kind, "created": created, "model": server.model_name,
+                        "choices": [choice]}
+                if usage_in_stream:
+                    body["usage"] = None
+                return f"data: {json.dumps(body)}\n\n"
+
+            try:
+                for i, ((request_id, queue), choice) in enumerate(zip(runs, choices)):
+                    if chat:
+                        yield chunk(i, {"role": "assistant", "content": ""})
+                    while True:
+                        item = await _next(queue, None, server, request_id)
+                        r, c = choice.take(item)
+                        if chat:
+                            delta = {}
+                            if r:
+                                delta["reasoning_content"] = r
+                            if c:
+                                delta["content"] = c
+                            if delta:
+                                yield chunk(i, delta)
+                        elif c:
+                            yield chunk(i, c)
+                        if isinstance(item, Finished):
+                            break
+                        if choice.text.stopped:
+                            server.runner.abort(request_id)
+                    if choice.error:
+                        error = {"error": {"message": f"generation failed: {choice.error}", "type": "server_error"}}
+                        yield f"data: {json.dumps(error)}\n\n"
+                        break
+                    yield chunk(i, {} if chat else "", choice.finish_reason)
+                if usage_in_stream:
+                    body = {"id": response_id, "object": chunk_kind, "created": created, "model": server.model_name,
+                            "choices": [], "usage": usage()}
+                    yield f"data: {json.dumps(body)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # a client that went away (or any end) frees every request of the response
+                for request_id, _ in runs:
+                    server.runner.abort(request_id)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(http: Request):
+        body = await body_of(http)
+        prompt = body.get("prompt")
+        tok = server.tokenizer
+        if isinstance(prompt, str):
+            prompts = [tok.encode(prompt)]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = [tok.encode(p) for p in prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            prompts = prompt
+        else:
+            raise _bad("prompt must be a string, a list of strings, a list of token ids or a list of them", "prompt")
+        return await generate(http, body, prompts, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(http: Request):
+        body = await body_of(http)
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages)):
+            raise _bad("messages must be a non-empty list of {role, content} objects", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m.get("content"), (str, type(None))):
+                raise _bad(f"messages[{i}].content must be a string (content parts are not supported)", "messages")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise _bad("chat_template_kwargs must be an object", "chat_template_kwargs")
+        if server.tokenizer.chat_template is None:
+            raise _bad(f"the model `{server.model_name}` has no chat template, so /v1/chat/completions cannot "
+                       "render messages; use /v1/completions with a prompt", "messages")
+        try:
+            text = server.tokenizer.apply_chat_template(messages, **kwargs)
+        except ValueError as e:
+            raise _bad(str(e), "messages") from None
+        ids = server.tokenizer.encode(text, add_special_tokens=False)
+        opened = text.rstrip().endswith(THINK_OPEN)  # the template opened the thinking itself
+        return await generate(http, body, [ids], chat=True, in_thinking=opened)
+
+    return app

@@ -1,0 +1,150 @@
+"""The engine on a thread of its own, for a server whose handlers run on an asyncio event loop.
+
+`Engine` is not thread-safe: only the runner's thread touches it. Handlers `submit` checked requests and
+`abort` them (a disconnected client); the thread adds them between steps, steps while anything is
+unfinished, and hands every `RequestOutput` to the submitting loop's `asyncio.Queue` of that request
+(`loop.call_soon_threadsafe`). A finished request is released from the engine at once. A failing step ends
+every request it held with the error (the handlers answer 500) and the runner goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from hybrid.serving.engine import Engine
+from hybrid.serving.request import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(RuntimeError):
+    """More requests in flight than the server admits (`max_queue` waiting besides the running ones)."""
+
+
+@dataclass
+class Finished:
+    """The last item of a request's queue: its prompt tokens, the ones taken from the prefix cache, and
+    the error that ended it, if any."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    error: str | None = None
+
+
+class EngineRunner:
+    """Runs `engine` on its own thread (see the module docstring).
+
+    Args:
+        max_queue: requests that may wait besides the `max_num_seqs` running ones; past it `submit` raises
+            `QueueFull` (the server answers 503 with Retry-After).
+    """
+
+    def __init__(self, engine: Engine, max_queue: int = 256):
+        self.engine, self.max_queue = engine, max_queue
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.generated_tokens = 0
+        self.started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="hybrid-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------ handlers' side
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def submit(self, request_id: str, checked) -> asyncio.Queue:
+        """Queue a request (`Engine.check_request`'s result) under `request_id`; returns the queue its
+        `RequestOutput`s arrive on, ending with a `Finished`. Call from the event loop's thread.
+
+        Raises:
+            QueueFull: `max_num_seqs + max_queue` requests are already in flight.
+        """
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if len(self._streams) >= self.engine.scheduler.max_num_seqs + self.max_queue:
+                raise QueueFull(f"{len(self._streams)} requests in flight, the server's limit")
+            self._streams[request_id] = (loop, stream)
+        self._commands.put(("add", request_id, checked))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (its blocks and slot are freed at the runner's next turn)."""
+        self._commands.put(("abort", request_id, None))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout=30)
+
+    # ------------------------------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            try:
+                command = self._commands.get(timeout=None if not engine.has_unfinished() else 0)
+            except queue.Empty:
+                command = None
+            while command is not None:
+                self._apply(*command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self._stop.is_set() or not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a failing forward must not take the server down: end what it held
+                log.exception("engine step failed")
+                for request_id in list(engine.requests):
+                    engine.abort(request_id)
+                    self._finish(request_id, f"{type(e).__name__}: {e}")
+                engine.step()  # drops the abort notices
+                continue
+            for out in outputs:
+                self.generated_tokens += len(out.new_token_ids)
+                self._deliver(out.request_id, out)
+                if out.finished:
+                    self._finish(out.request_id, None)
+
+    def _apply(self, kind: str, request_id: str | None, checked) -> None:
+        if kind == "add":
+            try:
+                self.engine.add_checked(checked, request_id)
+            except Exception as e:
+                self._finish(request_id, f"{type(e).__name__}: {e}", known=False)
+        elif kind == "abort" and request_id in self.engine.requests:
+            self.engine.abort(request_id)
+
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
+
+    def _finish(self, request_id: str, error: str | None, known: bool = True) -> None:
+        request = self.engine.requests.get(request_id) if known else None
+        done = Finished(len(request.prompt_ids) if request else 0, request.num_cached_tokens if request else 0, error)
+        if request is not None:
+            if request.status.name != "FINISHED":
+                self.engine.abort(request_id)
+            self.engine.release(request_id)
+        self._deliver(request_id, done)
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+
+__all__ = ["EngineRunner", "Finished", "QueueFull", "RequestOutput"]

@@ -1,0 +1,101 @@
+"""`hybrid serve`: load a checkpoint, size the engine's pools, run the OpenAI-compatible API with uvicorn.
+
+Sizing: with `--memory SIZE` the budget left after the weights and a reserve (`hybrid.serving.capacity`)
+holds `max_num_seqs` state slots (fewer when one request of the longest length would not fit in the KV
+left beside them) and KV blocks for the rest; without it, `DEFAULT_NUM_BLOCKS` blocks. The longest request
+(`--max-model-len`, default the config's `max_position_embeddings`) is capped by what the KV pool holds.
+The capacity is printed at start.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE, DEFAULT_RESERVE
+from hybrid.serving.engine import DEFAULT_NUM_BLOCKS, Engine
+
+
+@dataclass
+class Sizes:
+    num_blocks: int
+    max_num_seqs: int
+    max_model_len: int
+
+    def describe(self, engine: Engine) -> str:
+        state = engine.slots.slot_nbytes()
+        tokens = self.num_blocks * engine.blocks.block_size
+        return (f"capacity: {self.max_num_seqs} state slots of {state / 2**20:.1f} MiB, {self.num_blocks} KV blocks of "
+                f"{engine.blocks.block_size} tokens ({tokens:,} tokens, {engine.blocks.nbytes() / 2**20:.1f} MiB); "
+                f"max_model_len {self.max_model_len:,}")
+
+
+def size_pools(model, memory: int | None, max_num_seqs: int, max_model_len: int | None,
+               block_size: int = DEFAULT_BLOCK_SIZE) -> Sizes:
+    """The pools' sizes for `model` within `memory` bytes (or the defaults).
+
+    Raises:
+        ValueError: the budget holds no state slot and KV block after the weights, or max_model_len
+            exceeds what the pool holds.
+    """
+    from hybrid.accounting import describe
+
+    config = model.config
+    wanted = max_model_len or config.max_position_embeddings
+    if memory is None:
+        num_blocks = DEFAULT_NUM_BLOCKS
+    else:
+        report = describe(config, model.dtype, model.quantization)
+        state, kv_token = report["mamba_state_bytes_per_sequence"], report["kv_cache_bytes_per_token"]
+        block = kv_token * block_size
+        free = memory - report["weight_bytes"] - DEFAULT_RESERVE
+        if free < state + block:
+            raise ValueError(f"--memory {memory:,} bytes leaves {max(free, 0):,} after the weights "
+                             f"({report['weight_bytes']:,}) and the reserve ({DEFAULT_RESERVE:,}): not enough for one "
+                             f"state slot ({state:,}) and one KV block ({block:,})")
+        kv_one = -(-wanted // block_size) * block  # the KV of one request of the longest length
+        if state:  # as vLLM: max_num_seqs slots, fewer when one request of max_model_len would not fit beside them
+            max_num_seqs = max(1, min(max_num_seqs, (free - min(kv_one, free - state)) // state))
+        num_blocks = max(1, (free - max_num_seqs * state) // block) if block else 1
+    pool_tokens = num_blocks * block_size
+    if max_model_len is not None and max_model_len > pool_tokens:
+        raise ValueError(f"--max-model-len {max_model_len:,} is more than the KV pool holds ({pool_tokens:,} tokens)")
+    return Sizes(num_blocks, max_num_seqs, max(2, min(wanted, pool_tokens)))
+
+
+def serve(args) -> int:
+    """Run the server until interrupted (the `hybrid serve` command)."""
+    import torch
+    import uvicorn
+
+    from hybrid.loading import load
+    from hybrid.serving.api import Server, create_app
+    from hybrid.serving.runner import EngineRunner
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    sizes = size_pools(model, args.memory, args.max_num_seqs, args.max_model_len)
+    engine = Engine(model, num_blocks=sizes.num_blocks, max_num_seqs=sizes.max_num_seqs,
+                    max_model_len=sizes.max_model_len, prefix_caching=args.prefix_cache)
+    if args.prefix_cache_file and Path(args.prefix_cache_file).exists():
+        try:
+            n = engine.load_prefix_cache(args.prefix_cache_file)
+            print(f"prefix cache: {n} snapshots loaded from {args.prefix_cache_file}", file=sys.stderr)
+        except ValueError as e:
+            print(f"note: not using the prefix cache file (left unchanged): {e}", file=sys.stderr)
+            args.prefix_cache_file = None
+    print(sizes.describe(engine), file=sys.stderr)
+    runner = EngineRunner(engine, max_queue=args.max_queue)
+    name = args.served_model_name or Path(str(args.model)).name
+    app = create_app(Server(runner, tokenizer, name, args.api_key))
+    print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        runner.close()
+        if args.prefix_cache_file and engine.prefix is not None:
+            engine.save_prefix_cache(args.prefix_cache_file)
+            print(f"prefix cache saved to {args.prefix_cache_file}", file=sys.stderr)
+    return 0

@@ -1,0 +1,339 @@
+"""The OpenAI-compatible server (`hybrid.serving.api`) on a real uvicorn server on a loopback port, spoken
+to with the official `openai` client and with `httpx`; the oracle is `hybrid.generate` on each request alone
+(fp32, the shipped checkpoint with a Nemotron-style chat template that opens `<think>`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import hybrid
+from hybrid.cli import DEFAULT_CHECKPOINT
+from hybrid.generate import generate_ids
+from hybrid.serving.api import Server, create_app
+from hybrid.serving.engine import Engine
+from hybrid.serving.runner import EngineRunner
+from hybrid.serving.text import ReasoningSplitter, TextStream
+
+# Nemotron 3's shape: the generation prompt opens <think> (or closes it at once without thinking); earlier
+# assistant turns keep the tags but drop the reasoning, so the state after a reply is not a prefix of the next
+# prompt, while the previous prompt is.
+TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' %}<|im_start|>assistant\n<think>\n</think>\n{{ m.content }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n</think>\n{% else %}<think>\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("served") / "hybrid-mini"
+    shutil.copytree(DEFAULT_CHECKPOINT, directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TEMPLATE
+    config_path.write_text(json.dumps(config))
+    model, tokenizer = hybrid.load(directory, dtype="fp32")
+    engine = Engine(model, num_blocks=1024, max_num_seqs=16, max_model_len=1024, prefix_caching=True,
+                    snapshot_interval=16)
+    runner = EngineRunner(engine, max_queue=64)
+    server, thread, url = start(create_app(Server(runner, tokenizer, "hybrid-mini")))
+    yield SimpleNamespace(url=url, model=model, tokenizer=tokenizer, engine=engine, runner=runner,
+                          client=openai.OpenAI(base_url=url + "/v1", api_key="none"))
+    server.should_exit = True
+    thread.join(timeout=30)
+    runner.close()
+
+
+def alone(served, prompt: str, n: int, chat: bool = False, **kwargs) -> tuple[str, list[int]]:
+    (c,) = hybrid.generate(served.model, served.tokenizer, prompt, max_new_tokens=n, chat=chat, **kwargs)
+    return c.text, c.token_ids
+
+
+def metric(served, name: str) -> float:
+    text = httpx.get(served.url + "/metrics").text
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"hybrid_{name} ")))
+
+
+def wait_idle(served) -> None:
+    deadline = time.monotonic() + 30
+    while metric(served, "kv_blocks_used") or metric(served, "state_slots_used"):
+        assert time.monotonic() < deadline, "blocks or slots still held"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------------------------- completions
+def test_a_completion_equals_generate_alone(served):
+    prompt = "The for statement is used to"
+    r = served.client.completions.create(model="hybrid-mini", prompt=prompt, max_tokens=20, temperature=0)
+    text, ids = alone(served, prompt, 20)
+    assert r.choices[0].text == text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 20 and r.usage.prompt_tokens == len(served.tokenizer.encode(prompt))
+    assert r.object == "text_completion" and r.model == "hybrid-mini"
+
+
+def test_prompts_as_texts_and_token_ids(served):
+    prompts = ["A list is", "Python code"]
+    r = served.client.completions.create(model="hybrid-mini", prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [alone(served, p, 8)[0] for p in prompts]
+    ids = served.tokenizer.encode("A list is")
+    r = served.client.completions.create(model="hybrid-mini", prompt=ids, max_tokens=8, temperature=0)
+    assert r.choices[0].text == alone(served, "A list is", 8)[0]
+
+
+def test_streaming_gives_the_same_text_with_usage_and_done(served):
+    prompt = "In the beginning"
+    body = {"model": "hybrid-mini", "prompt": prompt, "max_tokens": 15, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == alone(served, prompt, 15)[0]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 15
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+def test_16_concurrent_requests_equal_generate_alone(served):
+    prompts = [f"Question {i}: what is a{' very' * i} long" for i in range(16)]
+
+    async def all_of():  # the client closed inside its loop (a client collected later would close reused sockets)
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key="none") as client:
+            return await asyncio.gather(*(client.completions.create(model="hybrid-mini", prompt=p, max_tokens=12,
+                                                                     temperature=0) for p in prompts))
+
+    answers = asyncio.run(all_of())
+    assert [a.choices[0].text for a in answers] == [alone(served, p, 12)[0] for p in prompts]
+    wait_idle(served)
+
+
+def test_seeded_sampling_is_reproducible_and_equals_generate(served):
+    kwargs = dict(model="hybrid-mini", prompt="Once upon a time", max_tokens=12, temperature=0.8, top_p=0.9, seed=7)
+    a = served.client.completions.create(**kwargs).choices[0].text
+    b = served.client.completions.create(**kwargs).choices[0].text
+    assert a == b == alone(served, "Once upon a time", 12, temperature=0.8, top_p=0.9, seed=7)[0]
+
+
+def test_a_stop_string_ends_the_text_before_it_across_token_boundaries(served):
+    prompt = "The for statement is used to"
+    full, _ = alone(served, prompt, 20)
+    stop = full[5:12]  # a piece that does not fall on token boundaries in general
+    r = served.client.completions.create(model="hybrid-mini", prompt=prompt, max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
+    body = {"model": "hybrid-mini", "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True, "stop": stop}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line and line != "data: [DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full[:full.index(stop)]
+    wait_idle(served)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot_and_blocks(served):
+    body = {"model": "hybrid-mini", "prompt": "Tell me everything about", "max_tokens": 500, "temperature": 0,
+            "stream": True}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert metric(served, "state_slots_used") == 1
+    wait_idle(served)  # the abort reached the engine: nothing is held
+
+
+# ---------------------------------------------------------------------------------------------- chat
+def test_chat_splits_reasoning_and_streams_the_same(served):
+    messages = [{"role": "user", "content": "What is a list?"}]
+    r = served.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=16, temperature=0)
+    text, _ = alone(served, "What is a list?", 16, chat=True)
+    message = r.choices[0].message
+    # the template opened <think>: the text up to a </think> is reasoning (all of it when it never closes,
+    # content then "", not None); the splitter itself is tested at every chunk boundary below
+    splitter = ReasoningSplitter(in_thinking=True)
+    expected = [a + b for a, b in zip(splitter.feed(text), splitter.finish())]
+    assert [message.model_extra["reasoning_content"], message.content] == expected and message.content is not None
+    assert expected[0]  # the model did think here
+    reasoning, content = [], []
+    stream = served.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=16,
+                                                   temperature=0, stream=True)
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        reasoning.append((delta.model_extra or {}).get("reasoning_content") or "")
+        content.append(delta.content or "")
+    assert "".join(reasoning) == message.model_extra["reasoning_content"] and "".join(content) == message.content
+
+
+def test_chat_without_thinking_is_all_content(served):
+    messages = [{"role": "user", "content": "Say hello"}]
+    r = served.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=10, temperature=0,
+                                              extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    text, _ = alone(served, "Say hello", 10, chat=True, enable_thinking=False)
+    assert r.choices[0].message.content == text and r.choices[0].message.model_extra["reasoning_content"] == ""
+
+
+def test_the_next_turn_is_served_from_the_previous_prompts_snapshot(served):
+    first = [{"role": "user", "content": "Name a colour."}]
+    r1 = served.client.chat.completions.create(model="hybrid-mini", messages=first, max_tokens=8, temperature=0)
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content or "Blue."},
+                      {"role": "user", "content": "And another one?"}]
+    r2 = served.client.chat.completions.create(model="hybrid-mini", messages=second, max_tokens=8, temperature=0)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+
+
+# ---------------------------------------------------------------------------------------------- errors
+def test_errors_are_openai_json_with_the_right_status(served):
+    c = served.client
+    with pytest.raises(openai.BadRequestError, match="temperature must be"):
+        c.completions.create(model="hybrid-mini", prompt="x", temperature=3)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        c.completions.create(model="hybrid-mini", prompt="x", n=2)
+    with pytest.raises(openai.BadRequestError, match=r"maximum context length is 1024 tokens.*1201 tokens"):
+        c.completions.create(model="hybrid-mini", prompt=[5] * 1001, max_tokens=200)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        c.completions.create(model="gpt-4", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        c.completions.create(model="hybrid-mini", prompt="x", logprobs=2)
+    r = httpx.post(served.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(served.url + "/v1/completions", content=b" " * (16 * 2**20 + 1))
+    assert r.status_code == 413
+    assert httpx.get(served.url + "/health").status_code == 200
+    assert httpx.get(served.url + "/v1/models").json()["data"][0]["id"] == "hybrid-mini"
+
+
+def test_api_key_and_a_full_queue(served):
+    """401 without the key; 503 with Retry-After once max_num_seqs + max_queue requests are in flight."""
+    engine = Engine(served.model, num_blocks=64, max_num_seqs=1, max_model_len=1024)
+    runner = EngineRunner(engine, max_queue=0)
+    server, thread, url = start(create_app(Server(runner, served.tokenizer, "m", api_key="secret")))
+    try:
+        assert httpx.post(url + "/v1/completions", json={"prompt": "x"}).status_code == 401
+        auth = {"authorization": "Bearer secret"}
+        body = {"prompt": "The for statement is used to", "max_tokens": 400, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth, timeout=60) as first:
+            lines = first.iter_lines()  # kept: a dropped iterator closes the response, and so the connection
+            next(lines)
+            busy = httpx.post(url + "/v1/completions", json={"prompt": "x"}, headers=auth)
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert httpx.get(url + "/health").status_code == 200  # no key needed outside /v1/
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        runner.close()
+
+
+def test_the_shipped_checkpoint_has_no_chat_template_and_says_so(served):
+    engine = Engine(served.model, num_blocks=16, max_num_seqs=1)
+    runner = EngineRunner(engine)
+    tokenizer = hybrid.load(DEFAULT_CHECKPOINT)[1]
+    transport = httpx.ASGITransport(app=create_app(Server(runner, tokenizer, "hybrid-mini")))
+
+    async def ask():
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+
+    try:
+        r = asyncio.run(ask())
+        assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
+    finally:
+        runner.close()
+
+
+# ---------------------------------------------------------------------------------------------- text pieces
+def test_a_stop_string_is_found_whatever_the_token_boundaries(served):
+    tok = served.tokenizer
+    ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)
+    for stop in ("beta g", "a d", "delta"):
+        for step in (1, 2, 3):
+            stream, sent = TextStream(tok, [stop]), ""
+            for i in range(0, len(ids), step):
+                sent += stream.add(ids[i:i + step])
+            sent += stream.finish()
+            assert sent == "alpha beta gamma delta"[:"alpha beta gamma delta".index(stop)] and stream.stopped
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_reasoning_is_split_at_every_chunk_boundary(opened):
+    text = ("" if opened else "<think>") + "let me think</think>\n\nThe answer."
+    for cut in range(1, len(text)):
+        for pieces in ([text[:cut], text[cut:]], list(text)):
+            splitter, reasoning, content = ReasoningSplitter(opened), "", ""
+            for piece in pieces:
+                r, c = splitter.feed(piece)
+                reasoning, content = reasoning + r, content + c
+            r, c = splitter.finish()
+            assert (reasoning + r, content + c) == ("let me think", "The answer.")
+
+
+def test_thinking_that_never_closes_leaves_content_empty_and_no_think_is_all_content():
+    s = ReasoningSplitter(True)
+    r, c = s.feed("still thinking </thi")
+    r2, c2 = s.finish()
+    assert (r + r2, c + c2) == ("still thinking </thi", "")
+    s = ReasoningSplitter(False)
+    r, c = s.feed("Plain answer")
+    r2, c2 = s.finish()
+    assert (r + r2, c + c2) == ("", "Plain answer")
+
+
+# ---------------------------------------------------------------------------------------------- sizing
+def test_a_memory_budget_sizes_the_pools(served):
+    from hybrid.accounting import describe
+    from hybrid.serving.capacity import DEFAULT_RESERVE
+    from hybrid.serving.serve import size_pools
+
+    report = describe(served.model.config, served.model.dtype, None)
+    state, block = report["mamba_state_bytes_per_sequence"], 16 * report["kv_cache_bytes_per_token"]
+    for extra_blocks, max_len in [(100, 320), (1000, 320), (100, None), (5000, 2048)]:
+        free = 4 * state + extra_blocks * block
+        sizes = size_pools(served.model, report["weight_bytes"] + DEFAULT_RESERVE + free, 16, max_len)
+        want = max_len or served.model.config.max_position_embeddings
+        assert 1 <= sizes.max_num_seqs <= 16
+        assert sizes.max_num_seqs * state + sizes.num_blocks * block <= free  # within the budget
+        assert sizes.max_model_len == min(want, sizes.num_blocks * 16)
+        if sizes.max_num_seqs < 16:  # one slot more would leave no room for a request of the longest length
+            assert free - (sizes.max_num_seqs + 1) * state < -(-want // 16) * block
+    with pytest.raises(ValueError, match="not enough for one state slot"):
+        size_pools(served.model, report["weight_bytes"], 16, None)
+    with pytest.raises(ValueError, match="more than the KV pool holds"):
+        size_pools(served.model, report["weight_bytes"] + DEFAULT_RESERVE + 4 * state + 100 * block, 16, 5000)
+
+
+def test_serve_refuses_an_unwritable_prefix_cache_file_before_loading(tmp_path, capsys):
+    from hybrid.cli import main
+
+    (tmp_path / "file").write_text("x")
+    assert main(["serve", "--prefix-cache-file", str(tmp_path / "file" / "p.safetensors")]) == 2
+    assert "--prefix-cache-file" in capsys.readouterr().err
