@@ -173,6 +173,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot_and_blocks(served):
     wait_idle(served)  # the abort reached the engine: nothing is held
 
 
+def test_a_client_that_gives_up_on_a_plain_response_frees_its_slot_and_blocks(served):
+    body = {"model": "hybrid-mini", "prompt": "The for statement is used to", "max_tokens": 900, "temperature": 0}
+    before = served.runner.generated_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(served.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.3))
+    wait_idle(served)
+    assert served.runner.generated_tokens - before < 900  # aborted, not run to its end
+
+
 # ---------------------------------------------------------------------------------------------- chat
 def test_chat_splits_reasoning_and_streams_the_same(served):
     messages = [{"role": "user", "content": "What is a list?"}]

@@ -134,18 +134,38 @@ class Server:
                            headers={"Retry-After": "1"}) from None
 
 
-async def _next(stream: asyncio.Queue, http: Request | None, server: Server, request_id: str):
-    """The request's next item; with `http` (a response not streamed), aborts the request if the client went
-    away meanwhile (a streamed response learns it from Starlette, which cancels its generator)."""
-    if http is None:
+class _Watch:
+    """Whether the client of a response that is not streamed went away, asked at most every `every` seconds
+    (tokens arrive far more often; a streamed response learns it from Starlette, which cancels its generator)."""
+
+    def __init__(self, http: Request, every: float = 0.1):
+        self.http, self.every, self.last = http, every, time.monotonic()
+
+    async def gone(self) -> bool:
+        if time.monotonic() - self.last < self.every:
+            return False
+        self.last = time.monotonic()
+        return await self.http.is_disconnected()
+
+
+class _ClientGone(Exception):
+    """The client of a response that is not streamed disconnected."""
+
+
+async def _next(stream: asyncio.Queue, watch: _Watch | None, server: Server, request_id: str):
+    """The request's next item; with a `watch`, aborts the request (and raises `_ClientGone`) once the
+    client is gone."""
+    if watch is None:
         return await stream.get()
+    getter = asyncio.ensure_future(stream.get())  # one getter throughout: a cancelled get could lose an item
     while True:
-        try:
-            return await asyncio.wait_for(stream.get(), timeout=0.5)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                server.runner.abort(request_id)
-                raise asyncio.CancelledError from None
+        done, _ = await asyncio.wait({getter}, timeout=watch.every)
+        if await watch.gone():
+            getter.cancel()
+            server.runner.abort(request_id)
+            raise _ClientGone
+        if done:
+            return getter.result()
 
 
 class _Choice:
@@ -283,11 +303,12 @@ def create_app(server: Server) -> FastAPI:
                     "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in choices)}}
 
         if not stream:
+            watch = _Watch(http)
             try:
                 for (request_id, queue), choice in zip(runs, choices):
                     reasoning, content = "", ""
                     while True:
-                        item = await _next(queue, http, server, request_id)
+                        item = await _next(queue, watch, server, request_id)
                         r, c = choice.take(item)
                         reasoning, content = reasoning + r, content + c
                         if isinstance(item, Finished):
@@ -297,9 +318,11 @@ def create_app(server: Server) -> FastAPI:
                     if choice.error:
                         raise APIError(500, f"generation failed: {choice.error}", kind="server_error")
                     choice.result = (reasoning, content)
-            except asyncio.CancelledError:
+            except (_ClientGone, asyncio.CancelledError) as e:
                 for request_id, _ in runs:
                     server.runner.abort(request_id)
+                if isinstance(e, _ClientGone):  # nobody to answer (nginx's 499: client closed request)
+                    return Response(status_code=499)
                 raise
             out = []
             for i, choice in enumerate(choices):
