@@ -25,16 +25,27 @@ def check_prompts(prompts, vocab_size: int) -> None:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a non-empty list of token id lists, got {prompts!r:.80}")
     for row, prompt in enumerate(prompts):
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"prompts[{row}] must be a list of token ids, got {prompt!r:.80}")
-        if not prompt:
-            raise ValueError(f"prompts[{row}] is empty: each prompt must be a non-empty list of token ids")
-        for pos, t in enumerate(prompt):
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-                raise ValueError(f"prompts[{row}][{pos}] must be a Python int token id in [0, {vocab_size}) "
-                                 f"(config.vocab_size), got {t!r:.80}")
-            if not INT64[0] <= t < INT64[1]:
-                raise ValueError(outside_vocabulary(int(t), f"prompts[{row}][{pos}]", vocab_size))
+        check_prompt(prompt, vocab_size, f"prompts[{row}]")
+
+
+def check_prompt(prompt, vocab_size: int, where: str, in_vocabulary: bool = False) -> None:
+    """One prompt's check (see `check_prompts`), errors naming `where`; `in_vocabulary` also refuses ids
+    outside [0, vocab_size) (the serving engine checks before any forward).
+
+    Raises:
+        ValueError: not a non-empty list / tuple of Python ints, or an id out of range.
+    """
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"{where} must be a list of token ids, got {prompt!r:.80}")
+    if not prompt:
+        raise ValueError(f"{where} is empty: each prompt must be a non-empty list of token ids")
+    lo, hi = (0, vocab_size) if in_vocabulary else INT64
+    for pos, t in enumerate(prompt):
+        if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+            raise ValueError(f"{where}[{pos}] must be a Python int token id in [0, {vocab_size}) "
+                             f"(config.vocab_size), got {t!r:.80}")
+        if not lo <= t < hi:
+            raise ValueError(outside_vocabulary(int(t), f"{where}[{pos}]", vocab_size))
 
 
 def check_max_new_tokens(n, name: str = "max_new_tokens") -> int:

@@ -80,7 +80,7 @@ class PrefixCache:
     def nbytes(self) -> int:
         """Bytes of the snapshots and of the cached KV blocks."""
         blocks = self.engine.blocks
-        return self._prefix.nbytes + blocks.num_cached() * blocks.nbytes() // blocks.num_blocks
+        return self._prefix.nbytes + blocks.num_cached() * blocks.block_nbytes()
 
     def __len__(self) -> int:
         """Snapshots kept."""

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from hybrid.batch import check_max_new_tokens, outside_vocabulary
+from hybrid.batch import check_max_new_tokens, check_prompt
 from hybrid.model import HybridForCausalLM
 from hybrid.sampling import Completion, SamplingParams, for_call, sample
 from hybrid.serving.blocks import BlockPool
@@ -132,15 +132,7 @@ class Engine:
         Raises:
             ValueError: see `add_request` (prompt errors name `where`).
         """
-        vocab = self.model.config.vocab_size
-        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
-            raise ValueError(f"{where} must be a non-empty list of token ids, got {prompt_ids!r:.80}")
-        for pos, t in enumerate(prompt_ids):
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool):
-                raise ValueError(f"{where}[{pos}] must be a Python int token id in [0, {vocab}) (config.vocab_size), "
-                                 f"got {t!r:.80}")
-            if not 0 <= t < vocab:
-                raise ValueError(outside_vocabulary(int(t), f"{where}[{pos}]", vocab))
+        check_prompt(prompt_ids, self.model.config.vocab_size, where, in_vocabulary=True)
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
             raise ValueError(f"{where} has {len(prompt_ids)} tokens; this engine's max_model_len is "
                              f"{self.max_model_len}, which leaves no room to generate")
