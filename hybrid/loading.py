@@ -29,11 +29,12 @@ import torch
 from torch import nn
 
 from hybrid.checkpoint_files import CheckpointError, CheckpointFiles, resolve_checkpoint
-from hybrid.config import ConfigError, HybridConfig
+from hybrid.config import MAMBA, ConfigError, HybridConfig
 from hybrid.dtypes import torch_dtype
 from hybrid.model import HybridForCausalLM
 from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
 from moe.experts import PrepackedExpertBank
+from hybrid.ops import cpu as mamba_kernels
 from moe.prepack import prepackable
 from moe.quant import PackedWeight, PrepackedLinear, QuantFormat, swap_modules
 from moe.quant.config import QuantConfig
@@ -126,6 +127,8 @@ def load_model(
     load_weights(model, files, device, prepack=prepack, progress=progress, mmap=mmap)
     del files  # unmaps the checkpoint
     model.source_dir = Path(directory).resolve()  # save_checkpoint's default `source`: never saved onto
+    if torch.device(device).type == "cpu" and MAMBA in config.hybrid_override_pattern:
+        mamba_kernels.module()  # the fused decode step, built now (once per source, torch and CPU), not in a step
     return model.eval()
 
 

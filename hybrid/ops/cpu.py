@@ -20,4 +20,4 @@ def module():
     from moe.quant.kernels.cpu import build
 
     return build(SOURCE, "hybrid_mamba", what="the Mamba-2 decode kernel (once for this source, torch and CPU; "
-                                              "about 20 s)")
+                                              "about 30 s)")
