@@ -148,8 +148,6 @@ class Mamba2Mixer(nn.Module):
         b, T, c = xBC.shape
         K1 = self.conv_kernel - 1
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
-        if state is not None and T == 1 and mask is None:
-            return conv_step(xBC[:, 0], state.conv, weight, bias)[:, None]
         window = state.conv if state is not None else xBC.new_zeros(b, c, K1)
         if mask is None:
             out, xpad = causal_conv1d(xBC.transpose(1, 2), weight, bias, window)

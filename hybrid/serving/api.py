@@ -178,9 +178,15 @@ class _Choice:
         self.completion_tokens = 0
         self.prompt_tokens = self.cached_tokens = 0
         self.error: str | None = None
+        self.reasoning_text = self.content = ""  # all of it so far (a response that is not streamed)
 
     def take(self, item) -> tuple[str, str]:
-        """(reasoning delta, content delta) of one queue item."""
+        """(reasoning delta, content delta) of one queue item (also added to `reasoning_text`, `content`)."""
+        r, c = self._take(item)
+        self.reasoning_text, self.content = self.reasoning_text + r, self.content + c
+        return r, c
+
+    def _take(self, item) -> tuple[str, str]:
         if isinstance(item, Finished):
             self.prompt_tokens, self.cached_tokens, self.error = item.prompt_tokens, item.cached_tokens, item.error
             text = self.text.finish()
@@ -306,18 +312,15 @@ def create_app(server: Server) -> FastAPI:
             watch = _Watch(http)
             try:
                 for (request_id, queue), choice in zip(runs, choices):
-                    reasoning, content = "", ""
                     while True:
                         item = await _next(queue, watch, server, request_id)
-                        r, c = choice.take(item)
-                        reasoning, content = reasoning + r, content + c
+                        choice.take(item)
                         if isinstance(item, Finished):
                             break
                         if choice.text.stopped:
                             server.runner.abort(request_id)
                     if choice.error:
                         raise APIError(500, f"generation failed: {choice.error}", kind="server_error")
-                    choice.result = (reasoning, content)
             except (_ClientGone, asyncio.CancelledError) as e:
                 for request_id, _ in runs:
                     server.runner.abort(request_id)
@@ -326,7 +329,7 @@ def create_app(server: Server) -> FastAPI:
                 raise
             out = []
             for i, choice in enumerate(choices):
-                reasoning, content = choice.result
+                reasoning, content = choice.reasoning_text, choice.content
                 if chat:
                     message = {"role": "assistant", "content": content}
                     if choice.reasoning is not None:

@@ -85,6 +85,7 @@ class PagedCache(Cache):
         self.blocks, self.slots = blocks, slots
         self.batch_size, self.seq_len, self.key_mask = 1, 0, None
         self.seqs: list[ScheduledSeq] = []
+        self.packed: PackedSeqs | None = None
         self._index: dict[int, torch.Tensor] = {}
         self._layers = []
         n_kv = n_mamba = 0
@@ -113,16 +114,17 @@ class PagedCache(Cache):
                                  f"{s.past} + {s.num_tokens} positions")
         self.seqs, self._index = list(seqs), {}
         self.seq_len = sum(s.num_tokens for s in seqs)
-        return PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs])
+        self.packed = PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs])
+        return self.packed
 
-    def position_index(self, s: int, length: int | None = None) -> torch.Tensor:
+    def position_index(self, s: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of sequence `s`'s positions [0, past + new)."""
         if s not in self._index:
             seq, bs = self.seqs[s], self.blocks.block_size
             pos = torch.arange(seq.past + seq.num_tokens)
             table = torch.tensor(seq.block_table, dtype=torch.long)
             self._index[s] = (table[pos // bs] * bs + pos % bs).to(self.blocks.k[0].device if self.blocks.k else "cpu")
-        return self._index[s] if length is None else self._index[s][:length]
+        return self._index[s]
 
     # ------------------------------------------------------------------------------------------ Cache
     def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None, record: bool = False) -> StepContext:
@@ -134,8 +136,7 @@ class PagedCache(Cache):
         if batch_size != 1 or num_tokens != self.seq_len or mask is not None or record:
             raise ValueError(f"a paged step takes one packed row of the {self.seq_len} scheduled tokens without "
                              f"padding or recording, got [{batch_size}, {num_tokens}]")
-        return StepContext(past=0, mask=None, key_mask=None,
-                           packed=PackedSeqs([s.num_tokens for s in self.seqs], [s.past for s in self.seqs]))
+        return StepContext(past=0, mask=None, key_mask=None, packed=self.packed)
 
     def layer(self, i: int):
         return self._layers[i]

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from hybrid.serving.engine import Engine
-from hybrid.serving.request import RequestOutput
+from hybrid.serving.request import RequestOutput, Status
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class EngineRunner:
         request = self.engine.requests.get(request_id) if known else None
         done = Finished(len(request.prompt_ids) if request else 0, request.num_cached_tokens if request else 0, error)
         if request is not None:
-            if request.status.name != "FINISHED":
+            if request.status is not Status.FINISHED:
                 self.engine.abort(request_id)
             self.engine.release(request_id)
         self._deliver(request_id, done)
