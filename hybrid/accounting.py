@@ -109,16 +109,18 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant: QuantConfig | None
 
 def resident_bytes(model) -> int:
     """Bytes of the distinct tensor storages a loaded model holds: parameters, buffers, and any tensor kept
-    as a plain module attribute or in a list attribute (so a cached dequantized weight, or the oneDNN-packed
-    weights of `moe.quant.prepacked`, counted as their logical size, are counted too)."""
+    as a plain module attribute or in a list attribute (so a cached dequantized weight, the oneDNN-packed
+    weights of `moe.quant.prepacked`, counted as their logical size, and the per-expert tensors of
+    `moe.quant.PackedExperts` are counted too)."""
     seen, total = set(), 0
     tensors = list(model.parameters()) + list(model.buffers())
     for m in model.modules():
         for v in vars(m).values():
             if isinstance(v, torch.Tensor):
                 tensors.append(v)
-            elif isinstance(v, list):
-                tensors += [t for t in v if isinstance(t, torch.Tensor)]
+            elif isinstance(v, list):  # a list of tensors, or of {name: tensor} (moe.quant.PackedExperts)
+                tensors += [t for item in v for t in (item.values() if isinstance(item, dict) else (item,))
+                            if isinstance(t, torch.Tensor)]
     for t in tensors:
         key = id(t) if t.is_mkldnn else t.untyped_storage().data_ptr()
         if key not in seen:

@@ -7,7 +7,8 @@ Quantized checkpoints (FP8, NVFP4, MXFP4 in ModelOpt, compressed-tensors or gpt-
 through `hybrid.quantization`: the model is built on meta, the affected Linears and expert banks are
 swapped for packed modules, and their tensors (`weight`, `weight_scale`, ..., per expert
 `...experts.{j}.up_proj.weight_scale` stacked into `...experts.up_proj.weight_scale`) load name for name,
-kept in their stored dtypes.
+kept in their stored dtypes. On the CPU a packed expert stack is held one expert at a time
+(`moe.quant.PackedExperts`): its tensors stay views of the read-only map, never stacked or copied.
 Loading is strict (tests/test_cases.py, cases 10 and 11): a tensor the model needs and the files lack, a tensor in
 the files the model does not use, or a shape that differs from the config's is an error naming it. With
 `tie_word_embeddings` the head is the embedding matrix, and an `lm_head.weight` in the files must equal it.
@@ -36,7 +37,7 @@ from hybrid.quantization import quantize_modules, read_quant_config, register_kv
 from moe.experts import PrepackedExpertBank
 from hybrid.ops import cpu as mamba_kernels
 from moe.prepack import prepackable
-from moe.quant import PackedWeight, PrepackedLinear, QuantFormat, swap_modules
+from moe.quant import PackedExperts, PackedWeight, PrepackedLinear, QuantFormat, swap_modules
 from moe.quant.config import QuantConfig
 from moe.quant.kernels import bf16
 
@@ -101,9 +102,10 @@ def load_model(
             eager `F.linear`). The model is then for inference only; pass False to keep plain `nn.Linear`
             modules (to quantize or train it).
         progress: a progress bar on stderr when loading takes more than 2 s.
-        mmap: where prepacking keeps bf16 matrices as they are in the file (the plain form), keep them as
-            views of the read-only memory map (the default: no copy, the page cache and the model share one,
-            as llama.cpp maps its GGUF); False copies them into the process's own memory (llama.cpp's
+        mmap: where prepacking keeps bf16 matrices as they are in the file (the plain form), and for the
+            packed experts of a quantized checkpoint on the CPU, keep them as views of the read-only memory
+            map (the default: no copy, the page cache and the model share one, as llama.cpp maps its GGUF);
+            False copies them into the process's own memory (llama.cpp's
             `--no-mmap`), which the OS cannot evict under page-cache pressure (other large files read
             meanwhile), at the cost of the copy at load.
     Raises:
@@ -145,9 +147,12 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
     config = model.config
     tied = config.tie_word_embeddings
     packable = prepackable(model, device) if prepack else {}
+    mappable = _mappable(model, files, device)
     targets = {n: t for n, t in model.state_dict(keep_vars=True).items() if not (tied and n == "lm_head.weight")}
     owned = {f"{name}.{t}": targets.pop(f"{name}.{t}") for name, m in packable.items()
              for t in (("weight",) if isinstance(m, nn.Linear) else ("up_proj", "down_proj"))}
+    owned.update({f"{name}.{t}": targets.pop(f"{name}.{t}") for name, m in mappable.items()
+                  for t, _ in m.named_buffers(recurse=False)})
     sources = {n: _source_names(n, t, files) for n, t in model.state_dict(keep_vars=True).items()
                if n in targets or n in owned}
     _check_all(model, files, sources, {**targets, **owned})
@@ -158,6 +163,7 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
         loaded, _, _ = read_tensors(targets, files, device, model)
         bar.update(sum(files.nbytes(s) for n in targets for s in sources[n]))
         packed = {name: _packed(name, m, files, model, sources, bar, mmap) for name, m in packable.items()}
+        mapped = {name: _mapped(name, m, files, sources, bar, mmap) for name, m in mappable.items()}
     if tied:
         loaded["lm_head.weight"] = loaded.get("backbone.embeddings.weight")
         if "lm_head.weight" in files:
@@ -170,9 +176,10 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
                     "differs from backbone.embeddings.weight"
                 )
     if packed:
-        swap_modules(model, lambda name, m: packed.get(name))
         model.requires_grad_(False)  # inference only: a backward pass raises (see moe.prepack)
-    model.load_state_dict(loaded, strict=not packed, assign=True)
+    if packed or mapped:
+        swap_modules(model, lambda name, m: packed.get(name, mapped.get(name)))
+    model.load_state_dict(loaded, strict=not (packed or mapped), assign=True)
     if tied:
         model.lm_head.weight = model.backbone.embeddings.weight
 
@@ -249,6 +256,33 @@ def _packed(name: str, module: nn.Module, files: CheckpointFiles, model: HybridF
                 files.release(source)
 
     return PrepackedExpertBank(module, experts())
+
+
+def _mappable(model: HybridForCausalLM, files: CheckpointFiles, device: str | torch.device) -> dict[str, PackedWeight]:
+    """{name: packed expert stack} of the stacks to hold per expert (`moe.quant.PackedExperts`): on the CPU,
+    those whose file tensors are per expert (an already stacked checkpoint loads into stacks)."""
+    if torch.device(device).type != "cpu":
+        return {}
+    return {name: m for name, m in model.named_modules() if isinstance(m, PackedWeight) and m.n_experts is not None
+            and not any(f"{name}.{t}" in files for t, _ in m.named_buffers(recurse=False))}
+
+
+def _mapped(name: str, module: PackedWeight, files: CheckpointFiles, sources: dict[str, list[str]], bar,
+            mmap: bool = True) -> PackedExperts:
+    """The `PackedExperts` form of meta stack `name`: each expert's tensors views of the memory map (read by
+    the first forward that uses them, from the page cache: nothing is copied) or, without `mmap`, copies
+    (their pages then released). The tensors were checked by `_check_all`."""
+    experts = []
+    for j in range(module.n_experts):
+        part = {}
+        for t, _ in module.named_buffers(recurse=False):
+            source = sources[f"{name}.{t}"][j]
+            bar.update(files.nbytes(source))
+            part[t] = files.view(source) if mmap else files.view(source).clone()
+            if not mmap:
+                files.release(source)
+        experts.append(part)
+    return PackedExperts(module.fmt, module.out_features, module.in_features, experts)
 
 
 def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, device: str | torch.device,

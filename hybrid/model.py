@@ -27,7 +27,7 @@ from hybrid.layers.mamba2 import Mamba2Mixer
 from hybrid.layers.mlp import MLP
 from hybrid.layers.moe import MoE
 from hybrid.layers.norm import RMSNorm
-from moe.quant import PackedWeight, Prepacked
+from moe.quant import PackedExperts, PackedWeight, Prepacked
 from moe.quant.config import QuantConfig
 
 # Parameters held in fp32 whatever the model dtype: the router (transformers keeps `gate.weight` and the
@@ -181,22 +181,28 @@ class HybridForCausalLM(nn.Module):
     def weight_pieces(self):
         """(name, shape, dtype, pieces) of every state-dict tensor, in its order: `pieces` yields the tensor
         itself, or for a prepacked module its dense form in row-major slices (an expert bank one expert at a
-        time, never stacked), each read only when the caller iterates it."""
+        time, never stacked; packed weights `PackedWeight.tensor_pieces`), each read only when the caller
+        iterates it."""
         for mname, module in self.named_modules():
             prefix = f"{mname}." if mname else ""
             if isinstance(module, Prepacked):
                 for n, shape, pieces in module.dense_pieces():
                     yield prefix + n, shape, torch.bfloat16, pieces
-            for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if isinstance(module, PackedWeight):
+                yield from ((prefix + n, shape, dtype, pieces) for n, shape, dtype, pieces in module.tensor_pieces())
+            buffers = [] if isinstance(module, PackedWeight) else module.named_buffers(recurse=False)
+            for n, t in [*module.named_parameters(recurse=False), *buffers]:
                 yield prefix + n, tuple(t.shape), t.dtype, (t,)
 
     def named_tensors(self):
         """The state dict's (name, tensor) pairs, in its order, one module at a time (a prepacked module's
-        dense copies one tensor at a time, never all at once)."""
+        dense copies and a `PackedExperts`' stacks one tensor at a time, never all at once)."""
         for mname, module in self.named_modules():
             prefix = f"{mname}." if mname else ""
             if isinstance(module, Prepacked):
                 yield from ((prefix + n, t) for n, t in module.dense_tensors())
+            if isinstance(module, PackedExperts):
+                yield from ((prefix + n, torch.stack(list(pieces))) for n, _, _, pieces in module.tensor_pieces())
             yield from ((prefix + n, t) for n, t in module.named_parameters(recurse=False))
             yield from ((prefix + n, t) for n, t in module.named_buffers(recurse=False))
 

@@ -33,17 +33,19 @@ from moe.quant.config import HF_QUANT_CONFIG, QuantConfig
 
 
 def published_tensors(model: HybridForCausalLM) -> Iterator[tuple[str, torch.Tensor]]:
-    """Our tensors under their published names, one at a time: experts unstacked, a tied head omitted."""
-    for name, t in model.named_tensors():
+    """Our tensors under their published names, one at a time: experts unstacked (a bank held one expert at a
+    time is read that way, never stacked), a tied head omitted."""
+    for name, shape, _, pieces in model.weight_pieces():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
-        t = t.detach()
         m = STACKED_EXPERTS.match(name)
-        if m:
-            for j in range(t.shape[0]):
-                yield f"{m['prefix']}.{j}.{m['proj']}{m['tensor'] or '.weight'}", t[j]
-        else:
-            yield name, t
+        if not m:
+            (t,) = pieces  # one piece: the tensor
+            yield name, t.detach()
+            continue
+        experts = (t for piece in pieces for t in (piece if piece.dim() == len(shape) else (piece,)))
+        for j, t in enumerate(experts):  # a piece is the whole stack or one expert
+            yield f"{m['prefix']}.{j}.{m['proj']}{m['tensor'] or '.weight'}", t.detach()
 
 
 def published_state_dict(model: HybridForCausalLM) -> dict[str, torch.Tensor]:

@@ -101,7 +101,7 @@ def test_modelopt_export_dequantizes_exactly_like_modelopt(modelopt_exports, fmt
             prefix, j, proj = name.rsplit(".", 2)
             ours = modules[f"{prefix}.{proj}"].dequantize(torch.float32, expert=int(j))
             scales.add(float(tensors[f"{name}.weight_scale" if fmt == "fp8" else f"{name}.weight_scale_2"]))
-            assert modules[f"{prefix}.{proj}"].input_scale[int(j)] == tensors[f"{name}.input_scale"]
+            assert modules[f"{prefix}.{proj}"].activation_scale(int(j)) == tensors[f"{name}.input_scale"]
         else:
             assert isinstance(modules[name], PackedWeight), name
             ours = modules[name].dequantize(torch.float32)

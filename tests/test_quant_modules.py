@@ -10,7 +10,7 @@ from hybrid.accounting import resident_bytes
 from hybrid.quantize import quantize_model
 from hybrid.saving import save_checkpoint
 from moe.experts import ExpertBank, QuantExpertBank
-from moe.quant import PackedWeight, QuantLinear, kernels
+from moe.quant import PackedExperts, PackedWeight, QuantLinear, formats, kernels
 from moe.quant.config import modelopt_format
 from tiny_checkpoint import write_checkpoint
 
@@ -144,3 +144,107 @@ def test_cast_keeps_packed_dtypes(quantized):
     assert sd["backbone.norm_f.weight"].dtype == torch.bfloat16
     for k, (dtype, t) in before.items():
         assert sd[k].dtype == dtype and torch.equal(sd[k].view(torch.uint8), t.view(torch.uint8)), k
+
+
+# ------------------------------------------------------------------ experts held one at a time (PackedExperts)
+def _stack(fmt_name: str, E: int = 4, out_f: int = 64, in_f: int = 96) -> PackedWeight:
+    fmt = formats.MODELOPT_ALGOS[fmt_name]
+    stack = PackedWeight(fmt, out_f, in_f, n_experts=E)
+    w = torch.randn(E, out_f, in_f, generator=torch.Generator().manual_seed(1))
+    for name, t in fmt.quantize(w, torch.rand(E) + 0.5 if fmt.layout.input_scale else None).items():
+        getattr(stack, name).copy_(t)
+    return stack
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt_name", ["FP8", "NVFP4", "MXFP4"])
+def test_packed_experts_is_the_stack_held_per_expert(fmt_name):
+    stack = _stack(fmt_name)
+    parts = [{n: t[e].clone() for n, t in stack.named_buffers()} for e in range(stack.n_experts)]
+    experts = PackedExperts(stack.fmt, stack.out_features, stack.in_features, parts)
+    assert experts.nbytes() == stack.nbytes() and experts.numel == stack.numel
+    for e in range(stack.n_experts):
+        assert torch.equal(experts.dequantize(expert=e), stack.dequantize(expert=e))
+        mine, theirs = experts.expert(e), stack.expert(e)
+        assert mine.keys() == theirs.keys() and all(_same_bytes(mine[r], theirs[r]) for r in mine)
+    assert torch.equal(experts.dequantize(), stack.dequantize())
+    mine, theirs = experts.state_dict(), stack.state_dict()
+    assert mine.keys() == theirs.keys()
+    assert all(mine[k].shape == theirs[k].shape and _same_bytes(mine[k], theirs[k]) for k in mine)
+    for (n1, s1, d1, p1), (n2, s2, d2, p2) in zip(experts.tensor_pieces(), stack.tensor_pieces(), strict=True):
+        joined = torch.cat([p.reshape(-1).view(torch.uint8) for p in p1])
+        assert (n1, s1, d1) == (n2, s2, d2) and torch.equal(joined, next(p2).reshape(-1).view(torch.uint8))
+    if (cpu := kernels.cpu_for(torch.zeros(1, 96), stack.fmt)) is not None:  # the kernels read either form alike
+        xs = [torch.randn(r, 96, generator=torch.Generator().manual_seed(r)) for r in (1, 3, 1)]
+        for a, b in zip(cpu.linear_group(xs, experts, [2, 0, 3]), cpu.linear_group(xs, stack, [2, 0, 3])):
+            assert torch.equal(a, b)
+    if stack.fmt.layout.input_scale:
+        assert torch.equal(experts.activation_scale(1), stack.activation_scale(1))
+
+
+def test_packed_experts_checks_and_replaces_its_tensors():
+    stack = _stack("NVFP4")
+    parts = [{n: t[e] for n, t in stack.named_buffers()} for e in range(stack.n_experts)]
+    data = stack.fmt.names["data"]
+    with pytest.raises(ValueError, match=r"expert 2 has tensors .* needs"):
+        PackedExperts(stack.fmt, 64, 96, parts[:2] + [{k: v for k, v in parts[2].items() if k != data}])
+    with pytest.raises(ValueError, match=rf"expert 1's {data} is torch.uint8 \[64, 40\]"):
+        PackedExperts(stack.fmt, 64, 96, [parts[0], {**parts[1], data: torch.zeros(64, 40, dtype=torch.uint8)}])
+    experts = PackedExperts(stack.fmt, 64, 96, parts)
+    with pytest.raises(RuntimeError, match="expert\\(e\\)"):
+        experts.role("data")
+    with pytest.raises(RuntimeError, match="load it on the device you need"):
+        experts.to("meta")
+    other = _stack("NVFP4", in_f=96)
+    other.weight.data ^= 0x11  # other codes
+    experts.load_state_dict(other.state_dict())
+    assert torch.equal(experts.dequantize(), other.dequantize())
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        experts.load_state_dict({k: v[:2] for k, v in other.state_dict().items()})
+
+
+def _maps_of(path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of file `path` (/proc/self/maps)."""
+    out = []
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(path):
+            lo, hi = (int(a, 16) for a in fields[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
+def test_a_cpu_load_maps_the_packed_experts(quantized, fmt):
+    """The experts' packed tensors are views of the checkpoint's memory map (no copy), read as the file holds
+    them; without mmap they are copies; both give the stacked bank's logits and the same identity."""
+    model = hybrid.load_model(quantized[fmt], dtype="bf16")
+    bank = model.backbone.layers[1].mixer.experts
+    assert isinstance(bank.up_proj, PackedExperts) and isinstance(bank.down_proj, PackedExperts)
+    maps = _maps_of((quantized[fmt] / "model.safetensors").resolve())
+    with safe_open(quantized[fmt] / "model.safetensors", "pt") as f:
+        for e in (0, 5, 15):
+            for name, t in bank.up_proj.experts[e].items():
+                assert _same_bytes(t, f.get_tensor(f"backbone.layers.1.mixer.experts.{e}.up_proj.{name}"))
+                assert any(lo <= t.data_ptr() < hi for lo, hi in maps), (e, name)
+    copied = hybrid.load_model(quantized[fmt], dtype="bf16", mmap=False)
+    t = copied.backbone.layers[1].mixer.experts.up_proj.experts[3]["weight"]
+    assert not any(lo <= t.data_ptr() < hi for lo, hi in maps)
+    stacked = hybrid.load_model(quantized[fmt], dtype="bf16")
+    for name, m in list(stacked.named_modules()):
+        if isinstance(m, QuantExpertBank):  # the same experts, as [E, ...] stacks
+            fresh = QuantExpertBank(m.n_experts, m.up_proj.in_features, m.up_proj.out_features, m.up_proj.fmt,
+                                    m.down_proj.fmt, torch.bfloat16)
+            fresh.load_state_dict(m.state_dict())
+            assert not isinstance(fresh.up_proj, PackedExperts)
+            parent, _, child = name.rpartition(".")
+            setattr(stacked.get_submodule(parent), child, fresh)
+    ids = torch.randint(5, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = stacked(ids)
+        assert torch.equal(model(ids), want) and torch.equal(copied(ids), want)
+    assert model.identity == copied.identity == stacked.identity

@@ -6,7 +6,8 @@
     formats.py                   the table: config and command-line names -> QuantFormat; `register`
     config.py                    ModelOpt, compressed-tensors and `mxfp4` quantization configs -> a format per
                                  module name; ModelOpt's files, written
-    packed.py, linear.py         PackedWeight (a weight held as its packed tensors), QuantLinear
+    packed.py, linear.py         PackedWeight (a weight held as its packed tensors), PackedExperts (a stack held
+                                 one expert at a time: views of a checkpoint's map), QuantLinear
     prepacked.py                 bf16 weights prepacked for the CPU kernels (PrepackedLinear)
     swap.py                      swap_modules: the one module-swapping loop
     kernels/                     CPU (C++, oneDNN) and Triton kernels, and the seams choosing them
@@ -17,9 +18,9 @@ Modules are addressed by their dotted names only.
 from moe.quant import formats
 from moe.quant.codec import Codec, Layout, QuantFormat
 from moe.quant.linear import QuantLinear
-from moe.quant.packed import PackedWeight
+from moe.quant.packed import PackedExperts, PackedWeight
 from moe.quant.prepacked import Prepacked, PrepackedLinear
 from moe.quant.swap import swap_modules
 
-__all__ = ["Codec", "Layout", "PackedWeight", "Prepacked", "PrepackedLinear", "QuantFormat", "QuantLinear",
+__all__ = ["Codec", "Layout", "PackedExperts", "PackedWeight", "Prepacked", "PrepackedLinear", "QuantFormat", "QuantLinear",
            "formats", "swap_modules"]

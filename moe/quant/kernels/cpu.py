@@ -118,9 +118,7 @@ def linear_group(xs: list[torch.Tensor], weight, experts: list[int | None], ext=
     ext = ext or module()
     ts = []
     for e in experts:
-        t = {role: weight.role(role) for role in fmt.roles}
-        if e is not None:
-            t = {role: v[e] for role, v in t.items()}
+        t = weight.expert(e)
         t["data"] = t["data"].contiguous().view(torch.uint8)
         ts.append(t)
     xs = [x.contiguous() if x.dtype == torch.bfloat16 and ext.bf16_inputs() else x.float().contiguous() for x in xs]
