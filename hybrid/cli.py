@@ -1,17 +1,19 @@
-"""The `hybrid` command: `generate` text from a checkpoint, `serve` it over the OpenAI API, `info` about a
-checkpoint or config, `quantize`.
+"""The `hybrid` command: `generate` text from a checkpoint, `serve` it over the OpenAI API, `chat` with it in
+the terminal, `info` about a checkpoint or config, `quantize`.
 
     hybrid generate [MODEL] --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-k K]
                     [--top-p P] [--seed S] [--dtype D] [--act-quant] [--speculative N]
                     [--prefix-cache FILE [--prefix-snapshot-interval N]] [--json]
     hybrid serve [MODEL] [--host H] [--port P] [--max-num-seqs N] [--max-model-len L] [--memory SIZE]
                  [--max-queue Q] [--no-prefix-cache] [--prefix-cache-file FILE] [--api-key KEY]
+    hybrid chat [MODEL] [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
+                [--no-thinking | --hide-thinking] [--max-model-len L] [--memory SIZE] [--prefix-cache-file FILE]
     hybrid info [MODEL] [--format fp8|nvfp4|mxfp4] [--json]
     hybrid quantize SRC DST --format fp8|nvfp4|mxfp4 [--exclude PATTERN ...] [--calibration-samples N]
     (--format: also any format registered in `moe.quant.formats`)
 
-MODEL is a checkpoint directory or a hub repo id; without MODEL, `generate` and `info` use the default
-checkpoint in `checkpoints/`. `info` also accepts a bare config.json (no weights needed).
+MODEL is a checkpoint directory or a hub repo id; without MODEL, `generate`, `serve`, `chat` and
+`info` use the default checkpoint in `checkpoints/`. `info` also accepts a bare config.json (no weights needed).
 """
 
 from __future__ import annotations
@@ -149,6 +151,22 @@ def _serve(args) -> int:
     from hybrid.serving.serve import serve
 
     return serve(args)
+
+
+def _chat(args) -> int:
+    if not _default_model(args):
+        return 2
+    if args.prefix_cache_file:
+        from hybrid.atomic import check_writable
+
+        try:
+            check_writable(args.prefix_cache_file)
+        except OSError as e:
+            print(f"error: --prefix-cache-file: {e}", file=sys.stderr)
+            return 2
+    from hybrid.serving.chat import chat
+
+    return chat(args)
 
 
 def _info(args) -> int:
@@ -421,6 +439,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="load the prefix cache from FILE at start (if it matches the model) and save it at exit")
     v.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ requests")
     v.set_defaults(func=_serve)
+
+    c = sub.add_parser("chat", help="chat with a checkpoint in the terminal (the serving engine, its prefix cache)")
+    c.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub repo id (default: shipped checkpoint)")
+    c.add_argument("--system", default=None, metavar="TEXT", help="system prompt (kept by /reset)")
+    c.add_argument("--max-tokens", type=_positive_int, default=None,
+                   help="at most this many tokens per reply (default: the rest of the context, as the server)")
+    c.add_argument("--temperature", type=_temperature, default=None,
+                   help="default: 1, the server's (OpenAI's); 0 (or below 1e-05) = greedy")
+    c.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set with probability >= p")
+    c.add_argument("--top-k", type=_top_k, default=None, help="sample from the k most likely tokens (0 or -1: no limit)")
+    c.add_argument("--seed", type=_seed, default=None, help="seed of the sampler (each reply starts from it, as a request)")
+    c.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-thinking passes enable_thinking=false to the chat template (no reasoning)")
+    c.add_argument("--hide-thinking", action="store_true", help="let the model think but show only its answers")
+    c.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="longest conversation, prompt and reply (default: the config's, capped by the KV pool)")
+    c.add_argument("--memory", type=_memory, default=None, metavar="SIZE",
+                   help="memory budget (32GB, 24GiB) that sizes the KV blocks after the weights")
+    c.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
+    c.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
+    c.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="resume each turn from the previous prompt's cached state (default: on)")
+    c.add_argument("--prefix-cache-file", default=None, metavar="FILE",
+                   help="load the prefix cache from FILE at start (if it matches the model) and save it at exit")
+    c.set_defaults(func=_chat)
 
     i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json")
     i.add_argument("model", nargs="?", default=None,

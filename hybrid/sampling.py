@@ -31,16 +31,23 @@ class SamplingParams:
     generation call (`generate_ids`, `generate`) starts again from it (`fresh`), so the same object gives the
     same tokens in every call; `sample` used directly draws on from this object's own generator.
 
+    logprobs: with an integer k >= 0, the serving engine reports each sampled token's log-probability and
+    the k most likely tokens' (vLLM's `SamplingParams.logprobs`; None, the default, computes nothing). They
+    are the model's raw distribution, log_softmax of the logits before temperature, top-k and top-p (vLLM's
+    default, `logprobs_mode="raw_logprobs"`), so a token's number does not depend on how it was drawn.
+
     Raises:
         ValueError: temperature negative, not finite or not a number, top_k not a positive integer (or 0 / -1),
-            top_p not a number in (0, 1], or a seed that is not an integer torch's generator can take (bools
-            are refused everywhere; the value is named with its repr, so a string shows its quotes).
+            top_p not a number in (0, 1], logprobs not an integer >= 0 (or None), or a seed that is not an
+            integer torch's generator can take (bools are refused everywhere; the value is named with its
+            repr, so a string shows its quotes).
     """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    logprobs: int | None = None
     generator: torch.Generator | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -54,6 +61,9 @@ class SamplingParams:
         self.top_k = None if k is None or k in (0, -1) else int(k)
         if self.top_p is not None and not (_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.logprobs is not None and not (_integer(self.logprobs) and self.logprobs >= 0):
+            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        self.logprobs = None if self.logprobs is None else int(self.logprobs)
         if self.seed is not None:
             if not (_integer(self.seed) and -2**63 <= self.seed < 2**64):
                 raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")

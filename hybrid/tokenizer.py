@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import reprlib
 from datetime import datetime
@@ -151,6 +152,30 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text alone, special tokens included (vLLM's logprobs `token`): a piece of a UTF-8
+        character decodes to "\ufffd"."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (OpenAI's logprobs `bytes`, which join into the text's UTF-8): a
+        byte-level BPE token's own bytes, even a piece of a character; an added token's text, and any
+        other tokenizer's decoded text, in UTF-8 (b"" for an id the tokenizer does not know)."""
+        token = self._tok.id_to_token(token_id)
+        if token is None:
+            return b""
+        if self._byte_level and token_id not in self._added_ids and all(c in _BYTE_OF_CHAR for c in token):
+            return bytes(_BYTE_OF_CHAR[c] for c in token)
+        return self.token_text(token_id).encode("utf-8")
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return isinstance(self._tok.decoder, tokenizers.decoders.ByteLevel)
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self._tok.get_added_tokens_decoder())
+
     def tokens_from(self, first_id: int) -> dict[int, str]:
         """{id: token} of the entries numbered `first_id` or above, in id order (e.g. tokens added past a
         model's vocabulary, `config.vocab_size`)."""
@@ -193,6 +218,16 @@ class Tokenizer:
         """Token ids of the rendered chat; the template carries its own special tokens."""
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, reversed: the printable Latin-1 bytes stand for themselves, the other
+    bytes for the characters from U+0100 on, in byte order (what a byte-level BPE vocabulary is written in)."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
+    others = (b for b in range(256) if b not in printable)
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(others)}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
 
 MAX_RENDERED_CHARS = 2**24  # a rendered chat (16 Mi characters) far beyond any context window
 MAX_RANGE = 100_000  # items of one `range()` in a template (jinja2's default is 100,000,000)

@@ -8,6 +8,8 @@ a prefix hit.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -96,6 +98,41 @@ def test_stop_ids_and_max_tokens_end_a_request_as_generate_does(model):
     got = Engine(model, num_blocks=64, block_size=8).generate(prompts, max_tokens=12, stop_ids=stop)
     assert [(c.token_ids, c.finish_reason) for c in got] == [(e.token_ids, e.finish_reason) for e in expected]
     assert {c.finish_reason for c in got} == {"stop", "length"}
+
+
+# ---------------------------------------------------------------------------------------------- logprobs
+def test_logprobs_are_the_models_log_softmax_and_only_for_the_requests_that_ask(model):
+    """Oracle: float64 log_softmax of the model's own logits over prompt + output in one forward alone (the
+    raw distribution, whatever the temperature); the top k in order; asking changes no token."""
+    prompts = random_prompts(4, 2, 30, seed=11)
+    ks = [None, 0, 3, 5]
+    params = [SamplingParams(temperature=0.8 if i % 2 else 0, seed=i, logprobs=k) for i, k in enumerate(ks)]
+    engine = Engine(model, num_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=24)
+    ids = [engine.add_request(p, s, 6) for p, s in zip(prompts, params)]
+    got = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].append(out)
+    for rid, prompt, k, s in zip(ids, prompts, ks, params):
+        tokens = [t for out in got[rid] for t in out.new_token_ids]
+        assert tokens == alone(model, prompt, 6, sampling=s)
+        if k is None:
+            assert all(out.logprobs is None for out in got[rid])
+            continue
+        with torch.inference_mode():
+            oracle = model(torch.tensor([prompt + tokens]))[0].double().log_softmax(-1)[len(prompt) - 1:-1]
+        for position, (token, out) in enumerate(zip(tokens, got[rid])):
+            (lp,) = out.logprobs
+            top = oracle[position].topk(k)
+            assert lp.logprob == pytest.approx(oracle[position, token].item(), abs=1e-5)
+            assert lp.top_ids == top.indices.tolist()
+            assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "3"])
+def test_logprobs_must_be_an_integer_of_at_least_0(bad):
+    with pytest.raises(ValueError, match=re.escape(f"logprobs must be an integer >= 0 or None, got {bad!r}")):
+        SamplingParams(logprobs=bad)
 
 
 # ---------------------------------------------------------------------------------------------- packing

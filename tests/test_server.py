@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import socket
 import threading
@@ -16,6 +17,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 
 import hybrid
@@ -221,6 +223,141 @@ def test_the_next_turn_is_served_from_the_previous_prompts_snapshot(served):
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
 
 
+# ---------------------------------------------------------------------------------------------- logprobs
+TOLERANCE = 1e-4  # fp32 forwards (packed, chunked, from the prefix cache) against one float64 log_softmax
+
+
+def model_logprobs(served, prompt_ids: list[int], output_ids: list[int]):
+    """The oracle: float64 log_softmax of the model's own logits, one forward alone over prompt + output
+    (teacher-forced); row k is the distribution output token k was drawn from, before any sampling filter."""
+    with torch.inference_mode():
+        logits = served.model(torch.tensor([prompt_ids + output_ids]))[0]
+    return logits.double().log_softmax(-1)[len(prompt_ids) - 1:-1]
+
+
+def sse(served, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", served.url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        return [json.loads(line[len("data: "):]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+
+
+def test_completion_logprobs_are_the_models_own_and_stream_the_same(served):
+    tok, prompt = served.tokenizer, "The for statement is used to"
+    text, ids = alone(served, prompt, 12)
+    oracle = model_logprobs(served, tok.encode(prompt), ids)
+    r = served.client.completions.create(model="hybrid-mini", prompt=prompt, max_tokens=12, temperature=0, logprobs=5)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == text and lp.tokens == [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert lp.token_logprobs == pytest.approx([oracle[k, i].item() for k, i in enumerate(ids)], abs=TOLERANCE)
+    for k, top in enumerate(lp.top_logprobs):  # the true top 5 in order; greedy: the sampled token leads
+        best = oracle[k].topk(5)
+        assert list(top) == [tok.decode([i], skip_special_tokens=False) for i in best.indices.tolist()]
+        assert list(top.values()) == pytest.approx(best.values.tolist(), abs=TOLERANCE)
+        assert top[lp.tokens[k]] == lp.token_logprobs[k] == max(top.values())
+    assert lp.text_offset == [len(tok.decode(ids[:k])) for k in range(len(ids))] and "".join(lp.tokens) == text
+
+    chunks = [c["choices"][0] for c in sse(served, "/v1/completions", {"prompt": prompt, "max_tokens": 12,
+                                                                        "temperature": 0, "logprobs": 5})]
+    chunks = [c for c in chunks if c["logprobs"] is not None]  # the last one, with the finish reason, has none
+    streamed = {key: [v for c in chunks for v in c["logprobs"][key]] for key in
+                ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=TOLERANCE)
+    assert [list(t) for t in streamed["top_logprobs"]] == [list(t) for t in lp.top_logprobs]
+    start = 0
+    for c in chunks:  # each chunk carries the tokens its text starts
+        assert all(start <= offset < start + len(c["text"]) for offset in c["logprobs"]["text_offset"])
+        start += len(c["text"])
+    plain = served.client.completions.create(model="hybrid-mini", prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None  # not asked: none computed or sent
+
+
+def test_a_sampled_tokens_logprob_is_the_raw_models_not_the_filtered_distributions(served):
+    tok, prompt = served.tokenizer, "Once upon a time"
+    _, ids = alone(served, prompt, 8, temperature=1.5, top_k=5, seed=3)
+    r = served.client.completions.create(model="hybrid-mini", prompt=prompt, max_tokens=8, temperature=1.5,
+                                         extra_body={"top_k": 5}, seed=3, logprobs=2)
+    lp = r.choices[0].logprobs
+    oracle = model_logprobs(served, tok.encode(prompt), ids)
+    assert lp.tokens == [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert lp.token_logprobs == pytest.approx([oracle[k, i].item() for k, i in enumerate(ids)], abs=TOLERANCE)
+    assert any(i != oracle[k].argmax().item() for k, i in enumerate(ids))  # some draws were not the top token
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert top[token] == value and 2 <= len(top) <= 3  # the 2 most likely and the sampled token
+
+
+def test_chat_logprobs_cover_every_token_reasoning_included_and_stream_the_same(served):
+    tok, messages = served.tokenizer, [{"role": "user", "content": "What is a list?"}]
+    text, ids = alone(served, "What is a list?", 10, chat=True)
+    oracle = model_logprobs(served, tok.encode_chat(messages), ids)
+    r = served.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=10, temperature=0,
+                                              logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.model_extra["reasoning_content"]  # the tokens below are the model's thinking
+    assert [c.token for c in content] == [tok.decode([i], skip_special_tokens=False) for i in ids]
+    assert [c.logprob for c in content] == pytest.approx([oracle[k, i].item() for k, i in enumerate(ids)],
+                                                         abs=TOLERANCE)
+    for k, c in enumerate(content):
+        best = oracle[k].topk(3)
+        assert [t.token for t in c.top_logprobs] == [tok.decode([i], skip_special_tokens=False)
+                                                     for i in best.indices.tolist()]
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx(best.values.tolist(), abs=TOLERANCE)
+        assert c.top_logprobs[0].logprob == c.logprob and c.top_logprobs[0].bytes == c.bytes
+    assert b"".join(bytes(c.bytes) for c in content).decode() == tok.decode(ids) == text
+
+    stream = served.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=10,
+                                                   temperature=0, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [c for chunk in stream for c in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]
+    assert [(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in streamed] == \
+        [(c.token, c.bytes, [t.token for t in c.top_logprobs]) for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=TOLERANCE)
+    r = served.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=3, temperature=0,
+                                              logprobs=True)
+    assert [(c.token, c.top_logprobs) for c in r.choices[0].logprobs.content] == [(c.token, []) for c in content[:3]]
+
+
+def test_tokens_a_stop_string_cuts_have_no_logprobs_streamed_or_not(served):
+    tok, prompt = served.tokenizer, "The for statement is used to"
+    full, ids = alone(served, prompt, 20)
+    stop = full[5:12]  # cuts the text inside a token in general
+    cut = full.index(stop)
+    offsets = [len(tok.decode(ids[:k])) for k in range(len(ids))]
+    kept = [i for i, offset in zip(ids, offsets) if offset < cut]  # the tokens the text shows a part of
+    assert 0 < len(kept) < len(ids)
+    body = {"prompt": prompt, "max_tokens": 20, "temperature": 0, "stop": [stop], "logprobs": 0}
+    r = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert r["text"] == full[:cut] and r["finish_reason"] == "stop"
+    lp = r["logprobs"]
+    assert lp["tokens"] == [tok.decode([i]) for i in kept] and lp["text_offset"] == offsets[:len(kept)]
+    assert "".join(lp["tokens"]).startswith(r["text"])
+    assert lp["top_logprobs"] == [{t: v} for t, v in zip(lp["tokens"], lp["token_logprobs"])]  # logprobs 0
+    chunks = [c["choices"][0] for c in sse(served, "/v1/completions", body)]
+    assert "".join(c["text"] for c in chunks) == r["text"]
+    assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == lp["tokens"]
+    wait_idle(served)
+
+
+def test_bad_logprobs_are_a_400_naming_the_parameter(served):
+    with pytest.raises(openai.BadRequestError, match=re.escape("top_logprobs must be an integer in [0, 20], got 21")):
+        served.client.chat.completions.create(model="hybrid-mini", messages=[{"role": "user", "content": "hi"}],
+                                              logprobs=True, top_logprobs=21)
+    chat, prompt = {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "x"}
+    for path, body, param, message in [
+        ("chat/completions", {**chat, "top_logprobs": 2}, "top_logprobs", "top_logprobs requires logprobs to be true"),
+        ("chat/completions", {**chat, "logprobs": False, "top_logprobs": 1}, "top_logprobs", "requires logprobs"),
+        ("chat/completions", {**chat, "logprobs": True, "top_logprobs": -1}, "top_logprobs", "in [0, 20], got -1"),
+        ("chat/completions", {**chat, "logprobs": 3}, "logprobs", "logprobs must be true or false, got 3"),
+        ("completions", {**prompt, "logprobs": -1}, "logprobs", "logprobs must be an integer in [0, 5], got -1"),
+        ("completions", {**prompt, "logprobs": 6}, "logprobs", "in [0, 5], got 6"),
+        ("completions", {**prompt, "logprobs": True}, "logprobs", "in [0, 5], got true"),
+        ("completions", {**prompt, "top_logprobs": 2}, "top_logprobs", "/v1/completions takes logprobs"),
+    ]:
+        r = httpx.post(f"{served.url}/v1/{path}", json=body)
+        error = r.json()["error"]
+        assert (r.status_code, error["param"], error["type"]) == (400, param, "invalid_request_error"), body
+        assert message in error["message"], body
+
+
 # ---------------------------------------------------------------------------------------------- errors
 def test_errors_are_openai_json_with_the_right_status(served):
     c = served.client
@@ -232,8 +369,8 @@ def test_errors_are_openai_json_with_the_right_status(served):
         c.completions.create(model="hybrid-mini", prompt=[5] * 1001, max_tokens=200)
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         c.completions.create(model="gpt-4", prompt="x")
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        c.completions.create(model="hybrid-mini", prompt="x", logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        c.completions.create(model="hybrid-mini", prompt="x", best_of=2)
     r = httpx.post(served.url + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     r = httpx.post(served.url + "/v1/completions", content=b" " * (16 * 2**20 + 1))
@@ -281,6 +418,23 @@ def test_the_shipped_checkpoint_has_no_chat_template_and_says_so(served):
 
 
 # ---------------------------------------------------------------------------------------------- text pieces
+def test_token_bytes_join_into_the_texts_utf8_and_offsets_start_at_whole_characters(served):
+    """A character split over byte-level tokens: each piece decodes alone to U+FFFD, its bytes are its own,
+    and each piece's text offset is where its character starts (the oracle: the whole characters of the
+    UTF-8 bytes before it)."""
+    tok, text = served.tokenizer, "naïve — 日本 🎉 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode() and "\ufffd" in [tok.token_text(i) for i in ids]
+    assert tok.token_bytes(tok.stop_ids[0]) == tok.token_text(tok.stop_ids[0]).encode() != b""
+    stream, offsets = TextStream(tok), []
+    for i in ids:
+        offsets.append(stream.offset)
+        stream.add([i])
+    before = [b"".join(pieces[:k]) for k in range(len(ids))]
+    assert offsets == [len(b.decode("utf-8", errors="ignore")) for b in before]
+
+
 def test_a_stop_string_is_found_whatever_the_token_boundaries(served):
     tok = served.tokenizer
     ids = tok.encode("alpha beta gamma delta", add_special_tokens=False)

@@ -7,7 +7,9 @@
 Both POST endpoints stream with `"stream": true` (server-sent events, `data: [DONE]` last;
 `stream_options.include_usage` adds a usage chunk). Parameters: max_tokens / max_completion_tokens,
 temperature (default 1, as OpenAI's), top_p, top_k (vLLM's extension), seed, stop (strings, never sent,
-matched across token boundaries), n (1 only), chat_template_kwargs (e.g. {"enable_thinking": false}).
+matched across token boundaries), n (1 only), chat_template_kwargs (e.g. {"enable_thinking": false}),
+logprobs (chat: `logprobs` true and `top_logprobs` 0..20; completions: the legacy `logprobs` 0..5; the
+model's raw log-probabilities, before temperature, top-k and top-p, as vLLM's default).
 `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix cache served. For a chat
 template that uses `<think>`, the thinking is returned as `reasoning_content` (`hybrid.serving.text`).
 
@@ -19,6 +21,7 @@ prompts past the model length (with the numbers), 401 without the `--api-key`, 4
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import numbers
@@ -29,15 +32,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from hybrid.sampling import SamplingParams
-from hybrid.serving.request import RequestOutput
+from hybrid.serving.request import RequestOutput, TokenLogprobs
 from hybrid.serving.runner import EngineRunner, Finished, QueueFull
-from hybrid.serving.text import THINK_OPEN, ReasoningSplitter, TextStream
+from hybrid.serving.messages import render_chat, sampling_params, template_thinks
+from hybrid.serving.text import ReasoningSplitter, TextStream
 
 MAX_BODY_BYTES = 16 * 2**20
 MAX_STOP_STRINGS = 16
 # parameters this server does not implement, with the values that ask for nothing (accepted)
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"), "logit_bias": (None, {})}
+UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
+               "tool_choice": (None, "none"), "logit_bias": (None, {})}
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's and vLLM's limit)
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs (OpenAI's limit)
 
 
 class APIError(Exception):
@@ -73,17 +79,17 @@ class Server:
         self.runner, self.tokenizer, self.model_name, self.api_key = runner, tokenizer, model_name, api_key
         self.engine = runner.engine
         self.max_model_len = self.engine.max_model_len
-        self.thinks = tokenizer.chat_template is not None and THINK_OPEN in tokenizer.chat_template
+        self.thinks = template_thinks(tokenizer)
 
     # ------------------------------------------------------------------------------------------ parameters
     def sampling(self, body: dict) -> SamplingParams:
-        temperature = _number(body, "temperature", 1.0, 0, 2)
-        top_p = _number(body, "top_p", 1.0, 0, 1)
+        temperature = _number(body, "temperature", None, 0, 2)
+        top_p = _number(body, "top_p", None, 0, 1)
         if top_p == 0:
             raise _bad("top_p must be in (0, 1], got 0", "top_p")
-        top_k = _number(body, "top_k", -1, -1, 2**31, integer=True)
+        top_k = _number(body, "top_k", None, -1, 2**31, integer=True)
         seed = _number(body, "seed", None, -2**63, 2**64 - 1, integer=True)
-        return SamplingParams(temperature, top_k, top_p, seed)
+        return sampling_params(temperature, top_p, top_k, seed)  # the API's defaults for what is not set
 
     def stop_strings(self, body: dict) -> list[str]:
         stop = body.get("stop")
@@ -93,6 +99,27 @@ class Server:
         if not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)) or len(stop) > MAX_STOP_STRINGS:
             raise _bad(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
         return stop
+
+    def logprobs(self, body: dict, chat: bool) -> int | None:
+        """How many most likely tokens to report beside each token's log-probability; None: no logprobs.
+        Chat: `logprobs` true, `top_logprobs` in [0, 20] (a top_logprobs above 0 without logprobs is an
+        error, as in OpenAI's API and vLLM). Completions: the legacy `logprobs`, an integer in [0, 5]."""
+        if not chat:
+            if body.get("top_logprobs") not in (None, 0):
+                raise _bad("top_logprobs is a parameter of /v1/chat/completions; /v1/completions takes logprobs "
+                           f"(an integer in [0, {MAX_COMPLETION_LOGPROBS}])", "top_logprobs")
+            if body.get("logprobs") is False:
+                return None
+            return _number(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS, integer=True)
+        asked = body.get("logprobs")
+        if not (asked is None or isinstance(asked, bool)):
+            raise _bad(f"logprobs must be true or false, got {json.dumps(asked)[:80]}", "logprobs")
+        top = _number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS, integer=True)
+        if not asked:
+            if top:
+                raise _bad("top_logprobs requires logprobs to be true", "top_logprobs")
+            return None
+        return top or 0
 
     def check_common(self, body: dict) -> None:
         if body.get("model") not in (None, self.model_name):
@@ -168,10 +195,17 @@ async def _next(stream: asyncio.Queue, watch: _Watch | None, server: Server, req
             return getter.result()
 
 
-class _Choice:
-    """One prompt's generation as the API shows it: text (and reasoning), finish reason, token counts."""
+# A token's logprobs as a response carries them: (where its text starts in the choice's text, id, TokenLogprobs).
+Logprobs = tuple[int, int, TokenLogprobs]
 
-    def __init__(self, server: Server, stop: list[str], reasoning: ReasoningSplitter | None):
+
+class _Choice:
+    """One prompt's generation as the API shows it: text (and reasoning), finish reason, token counts and,
+    when asked, each token's logprobs. A token's logprobs go out with the text that starts it, so a token a
+    stop string cuts (its text starts at or after the cut) never does: the logprobs match the text sent.
+    Reasoning tokens have theirs too (vLLM's `logprobs.content` covers every generated token)."""
+
+    def __init__(self, server: Server, stop: list[str], reasoning: ReasoningSplitter | None, logprobs: bool = False):
         self.text = TextStream(server.tokenizer, stop, server.tokenizer.stop_ids)
         self.reasoning = reasoning
         self.finish_reason: str | None = None
@@ -179,12 +213,22 @@ class _Choice:
         self.prompt_tokens = self.cached_tokens = 0
         self.error: str | None = None
         self.reasoning_text = self.content = ""  # all of it so far (a response that is not streamed)
+        self.logprobs: list[Logprobs] | None = [] if logprobs else None  # likewise, when asked
+        self._pending: list[Logprobs] = []  # tokens whose text is not sent yet
 
-    def take(self, item) -> tuple[str, str]:
-        """(reasoning delta, content delta) of one queue item (also added to `reasoning_text`, `content`)."""
+    def take(self, item) -> tuple[str, str, list[Logprobs]]:
+        """(reasoning delta, content delta, the logprobs of the tokens their text starts) of one queue item
+        (also added to `reasoning_text`, `content`, `logprobs`)."""
         r, c = self._take(item)
         self.reasoning_text, self.content = self.reasoning_text + r, self.content + c
-        return r, c
+        if self.logprobs is None:
+            return r, c, []
+        # offsets never decrease: the tokens whose text starts before what was sent lead the list
+        done = len(self._pending) if isinstance(item, Finished) and not self.text.stopped else \
+            sum(1 for offset, _, _ in self._pending if offset < self.text.sent)
+        released, self._pending = self._pending[:done], self._pending[done:]
+        self.logprobs += released
+        return r, c, released
 
     def _take(self, item) -> tuple[str, str]:
         if isinstance(item, Finished):
@@ -197,7 +241,11 @@ class _Choice:
             return parts
         out: RequestOutput = item
         self.completion_tokens += len(out.new_token_ids)
-        text = self.text.add(out.new_token_ids)
+        text = ""
+        for i, token in enumerate(out.new_token_ids):
+            if out.logprobs is not None and not self.text.stopped:
+                self._pending.append((self.text.offset, token, out.logprobs[i]))
+            text += self.text.add([token])
         if out.finished:
             self.finish_reason = "stop" if out.finish_reason in ("stop", "abort") else out.finish_reason
         if self.text.stopped:
@@ -206,6 +254,35 @@ class _Choice:
 
     def _split(self, text: str) -> tuple[str, str]:
         return self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+
+
+def _token(tokenizer, token_id: int, logprob: float) -> dict:
+    # -9999.0 for -inf (JSON has no infinity), as OpenAI and vLLM
+    return {"token": tokenizer.token_text(token_id), "logprob": max(logprob, -9999.0),
+            "bytes": list(tokenizer.token_bytes(token_id))}
+
+
+def chat_logprobs(tokenizer, tokens: list[Logprobs]) -> dict:
+    """A chat choice's `logprobs` for these tokens: {"content": [{token, logprob, bytes, top_logprobs:
+    [{token, logprob, bytes}, ...] (the most likely first)}, ...]}."""
+    return {"content": [{**_token(tokenizer, token_id, lp.logprob),
+                         "top_logprobs": [_token(tokenizer, i, v) for i, v in zip(lp.top_ids, lp.top_logprobs)]}
+                        for _, token_id, lp in tokens]}
+
+
+def completion_logprobs(tokenizer, tokens: list[Logprobs]) -> dict:
+    """A legacy completion choice's `logprobs` for these tokens: tokens, token_logprobs, top_logprobs (per
+    token {text: logprob} of the k most likely and of the sampled token: up to k + 1, as OpenAI says),
+    text_offset (where each token's text starts in the choice's text)."""
+    tops = []
+    for _, token_id, lp in tokens:
+        top: dict[str, float] = {}
+        for i, v in [*zip(lp.top_ids, lp.top_logprobs), (token_id, lp.logprob)]:
+            top.setdefault(tokenizer.token_text(i), max(v, -9999.0))
+        tops.append(top)
+    return {"tokens": [tokenizer.token_text(t) for _, t, _ in tokens],
+            "token_logprobs": [max(lp.logprob, -9999.0) for _, _, lp in tokens],
+            "top_logprobs": tops, "text_offset": [offset for offset, _, _ in tokens]}
 
 
 def create_app(server: Server) -> FastAPI:
@@ -275,7 +352,8 @@ def create_app(server: Server) -> FastAPI:
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def generate(http: Request, body: dict, prompts: list[list[int]], chat: bool, in_thinking: bool = False):
-        sampling = server.sampling(body)
+        top_logprobs = server.logprobs(body, chat)
+        sampling = dataclasses.replace(server.sampling(body), logprobs=top_logprobs)
         stop = server.stop_strings(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -297,7 +375,9 @@ def create_app(server: Server) -> FastAPI:
             for request_id, _ in runs:
                 server.runner.abort(request_id)
             raise
-        choices = [_Choice(server, stop, ReasoningSplitter(in_thinking) if chat and server.thinks else None) for _ in runs]
+        choices = [_Choice(server, stop, ReasoningSplitter(in_thinking) if chat and server.thinks else None,
+                           top_logprobs is not None) for _ in runs]
+        format_logprobs = chat_logprobs if chat else completion_logprobs
         kind = "chat.completion" if chat else "text_completion"
         response_id = ("chatcmpl-" if chat else "cmpl-") + runs[0][0]
         created = int(time.time())
@@ -330,22 +410,25 @@ def create_app(server: Server) -> FastAPI:
             out = []
             for i, choice in enumerate(choices):
                 reasoning, content = choice.reasoning_text, choice.content
+                logprobs = None if choice.logprobs is None else format_logprobs(server.tokenizer, choice.logprobs)
                 if chat:
                     message = {"role": "assistant", "content": content}
                     if choice.reasoning is not None:
                         message["reasoning_content"] = reasoning
-                    out.append({"index": i, "message": message, "finish_reason": choice.finish_reason})
+                    out.append({"index": i, "message": message, "logprobs": logprobs,
+                                "finish_reason": choice.finish_reason})
                 else:
-                    out.append({"index": i, "text": content, "logprobs": None, "finish_reason": choice.finish_reason})
+                    out.append({"index": i, "text": content, "logprobs": logprobs,
+                                "finish_reason": choice.finish_reason})
             return {"id": response_id, "object": kind, "created": created, "model": server.model_name,
                     "choices": out, "usage": usage()}
 
         async def events():
             chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-            def chunk(i: int, delta: dict | str, finish=None) -> str:
-                choice = ({"index": i, "delta": delta, "finish_reason": finish} if chat
-                          else {"index": i, "text": delta, "logprobs": None, "finish_reason": finish})
+            def chunk(i: int, delta: dict | str, finish=None, logprobs: dict | None = None) -> str:
+                choice = ({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish} if chat
+                          else {"index": i, "text": delta, "logprobs": logprobs, "finish_reason": finish})
                 body = {"id": response_id, "object": chunk_kind, "created": created, "model": server.model_name,
                         "choices": [choice]}
                 if usage_in_stream:
@@ -358,17 +441,18 @@ def create_app(server: Server) -> FastAPI:
                         yield chunk(i, {"role": "assistant", "content": ""})
                     while True:
                         item = await _next(queue, None, server, request_id)
-                        r, c = choice.take(item)
+                        r, c, released = choice.take(item)
+                        logprobs = None if choice.logprobs is None else format_logprobs(server.tokenizer, released)
                         if chat:
                             delta = {}
                             if r:
                                 delta["reasoning_content"] = r
                             if c:
                                 delta["content"] = c
-                            if delta:
-                                yield chunk(i, delta)
-                        elif c:
-                            yield chunk(i, c)
+                            if delta or released:
+                                yield chunk(i, delta, logprobs=logprobs)
+                        elif c or released:
+                            yield chunk(i, c, logprobs=logprobs)
                         if isinstance(item, Finished):
                             break
                         if choice.text.stopped:
@@ -423,11 +507,9 @@ def create_app(server: Server) -> FastAPI:
             raise _bad(f"the model `{server.model_name}` has no chat template, so /v1/chat/completions cannot "
                        "render messages; use /v1/completions with a prompt", "messages")
         try:
-            text = server.tokenizer.apply_chat_template(messages, **kwargs)
+            prompt = render_chat(server.tokenizer, messages, kwargs)
         except ValueError as e:
             raise _bad(str(e), "messages") from None
-        ids = server.tokenizer.encode(text, add_special_tokens=False)
-        opened = text.rstrip().endswith(THINK_OPEN)  # the template opened the thinking itself
-        return await generate(http, body, [ids], chat=True, in_thinking=opened)
+        return await generate(http, body, [prompt.ids], chat=True, in_thinking=prompt.opened_thinking)
 
     return app

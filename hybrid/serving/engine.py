@@ -9,9 +9,10 @@
 Each `step` asks the scheduler (`hybrid.serving.scheduler`) which sequences run with how many tokens,
 packs all of their new tokens into one row with no padding (decode tokens and prompt chunks together), runs
 one forward on a `PagedCache` over the two pools (`BlockPool`, `StateSlots`), samples the next token of
-every sequence that reached its end with that request's own `SamplingParams` (its own seeded generator),
-and frees a request's blocks and slot the moment it finishes or is aborted. A request gives the same
-tokens as `hybrid.generate_ids` run on it alone (tests/test_engine.py).
+every sequence that reached its end with that request's own `SamplingParams` (its own seeded generator;
+with `logprobs` set, also the token's log-probabilities, `token_logprobs`), and frees a request's blocks
+and slot the moment it finishes or is aborted. A request gives the same tokens as `hybrid.generate_ids`
+run on it alone (tests/test_engine.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
 from hybrid.serving import prefix_file
 from hybrid.serving.paged_cache import PagedCache, ScheduledSeq
 from hybrid.serving.prefix import DEFAULT_MAX_BYTES, DEFAULT_SNAPSHOT_INTERVAL, PrefixCaching
-from hybrid.serving.request import Request, RequestOutput, Status
+from hybrid.serving.request import Request, RequestOutput, Status, TokenLogprobs
 from hybrid.serving.scheduler import Scheduler
 from hybrid.serving.slots import StateSlots
 
@@ -45,6 +46,24 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # tokens per forward (as generate's prefil
 def _check_size(name: str, value) -> None:
     if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1):
         raise ValueError(f"{name} must be an integer >= 1, got {value!r:.80}")
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | None]) -> list[TokenLogprobs | None]:
+    """Row i's `TokenLogprobs`: the log-probability of its sampled token `token_ids[i]` and of its `ks[i]`
+    most likely tokens (None where `ks[i]` is None) from logits [B, V]. The raw model distribution:
+    log_softmax of the logits before temperature, top-k and top-p (see `SamplingParams.logprobs`);
+    computed only for the rows that ask, nothing at all when none does."""
+    rows = [i for i, k in enumerate(ks) if k is not None]
+    out: list[TokenLogprobs | None] = [None] * len(ks)
+    if not rows:
+        return out
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in rows], device=logprobs.device))[:, 0]
+    top = logprobs.topk(min(max(ks[i] for i in rows), logprobs.shape[-1]), dim=-1)
+    chosen, top_values, top_ids = chosen.tolist(), top.values.tolist(), top.indices.tolist()
+    for j, i in enumerate(rows):
+        out[i] = TokenLogprobs(chosen[j], top_ids[j][:ks[i]], top_values[j][:ks[i]])
+    return out
 
 
 @dataclass
@@ -212,9 +231,10 @@ class Engine:
         if not ends:
             return outputs
         logits = self.model.logits(hidden[[i for _, i in ends]])
+        tokens = [int(sample(logits[j:j + 1], r.sampling)) for j, (r, _) in enumerate(ends)]
+        logprobs = token_logprobs(logits, tokens, [r.sampling.logprobs for r, _ in ends])
         now = time.perf_counter()
-        for j, (r, _) in enumerate(ends):
-            token = int(sample(logits[j:j + 1], r.sampling))
+        for (r, _), token, lp in zip(ends, tokens, logprobs):
             r.output_ids.append(token)
             times = self._times[r.request_id]
             if math.isnan(times[1]):
@@ -224,7 +244,8 @@ class Engine:
             reason = "stop" if token in r.stop_ids else "length" if len(r.output_ids) >= r.max_tokens or at_limit else None
             if reason is not None:
                 self.scheduler.finish(r, reason)
-            outputs.append(RequestOutput(r.request_id, [token], reason is not None, reason, r.num_cached_tokens))
+            outputs.append(RequestOutput(r.request_id, [token], reason is not None, reason, r.num_cached_tokens,
+                                         None if lp is None else [lp]))
         return outputs
 
     # ------------------------------------------------------------------------------------------ prefix cache file

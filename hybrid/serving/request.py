@@ -50,13 +50,25 @@ class Request:
 
 
 @dataclass
+class TokenLogprobs:
+    """A sampled token's log-probability and the `k` most likely tokens at its position, most likely first
+    (ids and log-probabilities; `k` is the request's `SamplingParams.logprobs`, so 0 gives empty lists)."""
+
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class RequestOutput:
     """What one engine step produced for one request: its new tokens (none or one per step) and, once it
     finished, why ("stop": a stop id, included in `new_token_ids`; "length": max_tokens or the model length;
-    "abort": cancelled)."""
+    "abort": cancelled). `logprobs`: one `TokenLogprobs` per new token when the request's sampling asked for
+    them (`SamplingParams.logprobs`), else None."""
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None

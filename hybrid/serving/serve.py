@@ -4,7 +4,7 @@ Sizing: with `--memory SIZE` the budget left after the weights and a reserve (`h
 holds `max_num_seqs` state slots (fewer when one request of the longest length would not fit in the KV
 left beside them) and KV blocks for the rest; without it, `DEFAULT_NUM_BLOCKS` blocks. The longest request
 (`--max-model-len`, default the config's `max_position_embeddings`) is capped by what the KV pool holds.
-The capacity is printed at start.
+The capacity is printed at start. `hybrid chat` builds its engine the same way (`build_engine`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,36 @@ def size_pools(model, memory: int | None, max_num_seqs: int, max_model_len: int 
     return Sizes(num_blocks, max_num_seqs, max(2, min(wanted, pool_tokens)))
 
 
+def build_engine(model, args, max_num_seqs: int) -> Engine:
+    """The engine `hybrid serve` and `hybrid chat` run: pools sized by `args.memory` / `args.max_model_len`,
+    prefix caching unless `--no-prefix-cache`, the prefix cache loaded from `args.prefix_cache_file` when it
+    exists and matches the model (otherwise a note, and `args.prefix_cache_file` is set to None so that the
+    file is left as it was). Prints the capacity.
+
+    Raises:
+        ValueError: see `size_pools`.
+    """
+    sizes = size_pools(model, args.memory, max_num_seqs, args.max_model_len)
+    engine = Engine(model, num_blocks=sizes.num_blocks, max_num_seqs=sizes.max_num_seqs,
+                    max_model_len=sizes.max_model_len, prefix_caching=args.prefix_cache)
+    if args.prefix_cache_file and Path(args.prefix_cache_file).exists():
+        try:
+            n = engine.load_prefix_cache(args.prefix_cache_file)
+            print(f"prefix cache: {n} snapshots loaded from {args.prefix_cache_file}", file=sys.stderr)
+        except ValueError as e:
+            print(f"note: not using the prefix cache file (left unchanged): {e}", file=sys.stderr)
+            args.prefix_cache_file = None
+    print(sizes.describe(engine), file=sys.stderr)
+    return engine
+
+
+def save_prefix_cache(engine: Engine, args) -> None:
+    """Write the engine's prefix cache to `args.prefix_cache_file`, if there is one to write."""
+    if args.prefix_cache_file and engine.prefix is not None:
+        engine.save_prefix_cache(args.prefix_cache_file)
+        print(f"prefix cache saved to {args.prefix_cache_file}", file=sys.stderr)
+
+
 def serve(args) -> int:
     """Run the server until interrupted (the `hybrid serve` command)."""
     import torch
@@ -76,17 +106,7 @@ def serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, dtype=args.dtype)
-    sizes = size_pools(model, args.memory, args.max_num_seqs, args.max_model_len)
-    engine = Engine(model, num_blocks=sizes.num_blocks, max_num_seqs=sizes.max_num_seqs,
-                    max_model_len=sizes.max_model_len, prefix_caching=args.prefix_cache)
-    if args.prefix_cache_file and Path(args.prefix_cache_file).exists():
-        try:
-            n = engine.load_prefix_cache(args.prefix_cache_file)
-            print(f"prefix cache: {n} snapshots loaded from {args.prefix_cache_file}", file=sys.stderr)
-        except ValueError as e:
-            print(f"note: not using the prefix cache file (left unchanged): {e}", file=sys.stderr)
-            args.prefix_cache_file = None
-    print(sizes.describe(engine), file=sys.stderr)
+    engine = build_engine(model, args, args.max_num_seqs)
     runner = EngineRunner(engine, max_queue=args.max_queue)
     name = args.served_model_name or Path(str(args.model)).name
     app = create_app(Server(runner, tokenizer, name, args.api_key))
@@ -95,7 +115,5 @@ def serve(args) -> int:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
         runner.close()
-        if args.prefix_cache_file and engine.prefix is not None:
-            engine.save_prefix_cache(args.prefix_cache_file)
-            print(f"prefix cache saved to {args.prefix_cache_file}", file=sys.stderr)
+        save_prefix_cache(engine, args)
     return 0

@@ -21,14 +21,21 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already sent
         self.stopped = False  # a stop string was found: nothing more is sent
+        self.text = ""  # the decoded text of the ids so far (sent or not)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    @property
+    def offset(self) -> int:
+        """Where the next token's text starts in the decoded text: its length, less a trailing incomplete
+        character ("\ufffd") that the next token's bytes may complete."""
+        return len(self.text.rstrip("\ufffd"))
 
     def add(self, token_ids: list[int]) -> str:
         """The new text these tokens make sendable ("" while held back; nothing after a stop string)."""
         if self.stopped:
             return ""
         self.ids += [t for t in token_ids if t not in self.skip]
-        text = self.tokenizer.decode(self.ids)
+        text = self.text = self.tokenizer.decode(self.ids)
         cut = self._stop_at(text)
         if cut is not None:
             self.stopped = True
