@@ -94,16 +94,23 @@ def bandwidth_samples(repeats: int = 5) -> list[float]:
     return samples
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory: VmHWM (Linux; reset by exec, unlike `ru_maxrss`, which a
-    worker would inherit from the parent process that started it), else `ru_maxrss`."""
+def proc_memory_bytes(pid: int | str = "self", field: str = "VmHWM") -> int | None:
+    """A memory figure of a process from /proc/PID/status (Linux): "VmHWM" its peak resident memory, "VmRSS"
+    its resident memory now; None where there is no such file or field (another OS, a process gone)."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM (Linux; reset by exec, unlike `ru_maxrss`, which a
+    worker would inherit from the parent process that started it), else `ru_maxrss`."""
+    peak = proc_memory_bytes("self", "VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # ---------------------------------------------------------------------------------------------- workers
@@ -186,16 +193,27 @@ def run_worker(engine: str, args, directory: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_llamacpp(args, directory: Path) -> dict | None:
-    """llama.cpp through the peer tool, or None when its environment was never set up."""
-    tool = Path(args.peer_tool)
+def llamacpp_gguf(tool: str | Path, directory: Path, dtype: str) -> Path | None:
+    """The GGUF of the checkpoint in `directory` in `dtype` ("bf16" or "fp32"), converted once by the peer
+    tool's `convert` (kept beside the checkpoint as model-DTYPE.gguf); None when the tool or its
+    environment (`llamacpp-peer setup`) is missing."""
+    tool = Path(tool)
     if not (PEER_HOME / "llama-venv" / "bin" / "python").exists() or not tool.exists():
         return None
-    gguf = directory / f"model-{args.dtype}.gguf"
-    outtype = {"bf16": "bf16", "fp32": "f32"}[args.dtype]
+    gguf = directory / f"model-{dtype}.gguf"
+    outtype = {"bf16": "bf16", "fp32": "f32"}[dtype]
     if not gguf.exists():
         subprocess.run([str(tool), "convert", str(directory), str(gguf), outtype], check=True,
                        capture_output=True)
+    return gguf
+
+
+def run_llamacpp(args, directory: Path) -> dict | None:
+    """llama.cpp through the peer tool, or None when its environment was never set up."""
+    tool = Path(args.peer_tool)
+    gguf = llamacpp_gguf(tool, directory, args.dtype)
+    if gguf is None:
+        return None
     result = {"engine": "llama.cpp", "prefill": {}, "decode": {}}
     for L in args.lengths:
         # run through a Python parent that reports the peak RSS of its descendants (the tool's process)

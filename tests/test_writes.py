@@ -67,7 +67,8 @@ EXEMPT = {"hybrid/atomic.py"}  # the atomic writer itself
 
 def test_every_write_goes_through_atomic_or_the_checkpoint_writer():
     """A write call is allowed only on a temporary path (`tmp`, from `atomic_path` or the checkpoint
-    writer's temporary directory), through a `CheckpointWriter`, or as the append to `records.jsonl`."""
+    writer's temporary directory), through a `CheckpointWriter`, as an append (`records.jsonl`, a log), or to a
+    kernel control file under /proc (no file is written: bench_serve resets a process's peak RSS)."""
     offenders = []
     for path in sorted([*(ROOT / "hybrid").rglob("*.py"), *(ROOT / "scripts").glob("*.py")]):
         rel = path.relative_to(ROOT).as_posix()
@@ -75,7 +76,8 @@ def test_every_write_goes_through_atomic_or_the_checkpoint_writer():
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = re.sub(r"\b(writer|self)\.write_(text|json)\(", "", line.split("#")[0])  # CheckpointWriter's
-            if WRITE_CALL.search(code) and "tmp" not in code and 'open("a")' not in code:
+            if WRITE_CALL.search(code) and "tmp" not in code and 'open("a")' not in code and '"/proc/' not in code \
+                    and "f\"/proc/" not in code:
                 offenders.append(f"{rel}:{n}: {line.strip()}")
     assert offenders == [], "\n".join(offenders)
 
