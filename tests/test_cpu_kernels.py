@@ -222,12 +222,87 @@ def test_the_build_is_keyed_on_the_source_torch_and_cpu():
     assert len(names) == 4 and all(n.startswith("hybrid_packed_") for n in names)
 
 
-def test_the_portable_build_equals_the_dequantized_product_too():
-    """The loops a CPU without AVX-512 runs (compiled here with -mno-avx512f), every format, fp32 and bf16."""
-    ext = cpu.module(portable=True)
-    assert ext is not None and not ext.avx512() and not ext.bf16_inputs()
-    for name, fmt in sorted(FORMATS.items()):
-        q = quantized(fmt, 37, 96, seed=5)
-        for dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(5, 96).to(dtype)
-            assert_exact(cpu.linear(x, q, ext=ext), x, q.dequantize(torch.float64))
+AVX2 = all(f in cpu._cpu_flags().split() for f in ("avx2", "fma", "f16c"))
+
+
+def test_the_compiled_path_matches_the_cpu():
+    """`path()` names what -march=native compiled: AVX-512 (with or without the bf16 dot products) where the
+    CPU has it, else AVX2 + FMA + F16C where it has those, else the scalar loops."""
+    flags = cpu._cpu_flags().split()
+    want = ("avx512-bf16" if {"avx512_bf16", "avx512vbmi"} <= set(flags) else "avx512f") if "avx512f" in flags \
+        else "avx2-fma" if AVX2 else "scalar"
+    assert cpu.module().path() == want
+    assert cpu.module().avx512() == want.startswith("avx512")
+
+
+def portable_builds():
+    """The builds a CPU without AVX-512 runs: -mno-avx512f (the AVX2 + FMA path where this CPU has it) and
+    the scalar loops (-mno-avx2 as well)."""
+    yield "avx2-fma" if AVX2 else "scalar", cpu.module(portable=True)
+    if AVX2:
+        yield "scalar", cpu.build(cpu.SOURCE, "hybrid_packed_scalar", cpu.FLAGS + ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
+                                  "the scalar CPU kernels")
+
+
+def test_the_portable_builds_equal_the_dequantized_product_too():
+    """The paths a CPU without AVX-512 runs (compiled here without it), every format, fp32 and bf16, tiles of
+    8 x 1 and 4 x 1..4 (1, 3, 5 rows), K = 96 (a partial FP8 step of 64) and 100 (not a multiple of 16)."""
+    for path, ext in portable_builds():
+        assert ext is not None and not ext.avx512() and not ext.bf16_inputs() and ext.path() == path
+        for name, fmt in sorted(FORMATS.items()):
+            for in_f in (96, 100) if fmt.codec.name == "fp8" else (96,):
+                q = quantized(fmt, 37, in_f, seed=5)
+                for rows in (1, 3, 5):
+                    for dtype in (torch.float32, torch.bfloat16):
+                        x = torch.randn(rows, in_f).to(dtype)
+                        assert_exact(cpu.linear(x, q, ext=ext), x, q.dequantize(torch.float64))
+
+
+def exts():
+    yield cpu.module()
+    for _, ext in portable_builds():
+        yield ext
+
+
+@pytest.mark.parametrize("rows", [1, 256])
+def test_every_e4m3_code_in_every_position_decodes_exactly(rows):
+    """W[n, k] = the k + n-th of the 254 non-NaN E4M3 bytes (so every code meets every vector lane and every
+    16-element step), scale 2^-3 per tensor; x = rows of the identity reads W[n, k] * scale alone (exact),
+    in every build (the NaN bytes: test_every_e4m3_pattern_decodes_exactly)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    N = K = 256
+    q = QuantLinear(modelopt_format("FP8"), K, N)
+    idx = (torch.arange(N)[:, None] + torch.arange(K)[None, :]) % len(codes)
+    with torch.no_grad():
+        q.weight.copy_(codes[idx].view(torch.float8_e4m3fn))
+        q.role("scale").fill_(0.125)
+    W = q.dequantize(torch.float64)
+    x = torch.eye(K)[:rows] if rows > 1 else torch.eye(K)[77:78]
+    for ext in exts():
+        y = cpu.linear(x, q, ext=ext)
+        assert torch.equal(y.double(), (x.double() @ W.T)), ext.path()
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_every_e2m1_code_in_every_position_decodes_exactly(name, rows):
+    """W[n, k] = E2M1 code (n + k) % 16 (every code in both nibbles and every lane), rows with scales of both
+    signs, subnormal (NVFP4) and extreme (MXFP4) ones; x = rows of the identity reads each weight alone."""
+    fmt = FORMATS[name]
+    N = K = 64
+    q = QuantLinear(fmt, K, N)
+    code = (torch.arange(N)[:, None] + torch.arange(K)[None, :]) % 16
+    scale_bytes = [0x38, 0x01, 0xB9, 0x7E, 0x00, 0x45] if name == "nvfp4" else [127, 0, 1, 200, 240, 100]
+    with torch.no_grad():
+        q.role("data").view(torch.uint8).copy_((code[:, 0::2] | code[:, 1::2] << 4).to(torch.uint8).view_as(
+            q.role("data").view(torch.uint8)))
+        sc = q.role("scale").view(torch.uint8)
+        sc.copy_(torch.tensor(scale_bytes, dtype=torch.uint8)[torch.arange(sc.numel()) % len(scale_bytes)].view_as(sc))
+        if q.role("global") is not None:
+            q.role("global").fill_(1.0)
+    W = q.dequantize(torch.float64)
+    assert not torch.isnan(W).any()
+    x = torch.eye(K)[:rows] if rows > 1 else torch.eye(K)[37:38]
+    for ext in exts():
+        y = cpu.linear(x, q, ext=ext)
+        assert torch.equal(y.double(), x.double() @ W.T), ext.path()

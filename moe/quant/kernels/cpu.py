@@ -6,6 +6,12 @@ for any number of input rows (decode: 1 to 16; a 512-token prefill chunk: measur
 then multiplying at Nano's widths, NVFP4 faster). The result equals the product with the exactly dequantized
 weight up to the order of the fp32 sums (tests/test_cpu_kernels.py, at Nano's widths).
 
+Four paths, chosen at compile time by this CPU's features (`module().path()` names the one built):
+"avx512-bf16" (AVX512_BF16 + AVX512_VBMI: bf16 inputs stay bf16, exact bf16 dot products into fp32 sums),
+"avx512f" (fp32 FMAs on 16 lanes), "avx2-fma" (AVX2 + FMA + F16C without AVX-512, most desktop and laptop
+CPUs: E4M3 decoded through fp16, E2M1 through an 8-entry permute, fp32 FMAs on 8 lanes) and "scalar" (plain
+loops, table lookups) elsewhere; inputs are fp32 on all but the first.
+
 The extension is compiled on first use (never at import; a message says so; about 30 s), with -O3
 -march=native, into `~/.cache/hybrid/kernels/<name>`, where the name is a digest of the source, the torch
 version and this CPU's feature flags, so a build is never used for another source, torch or CPU. If it
@@ -27,7 +33,7 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_packed.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for spreads the weight rows over the threads
-PORTABLE = ("-mno-avx512f",)  # the loops for CPUs without AVX-512 (the compiler vectorises them for AVX2)
+PORTABLE = ("-mno-avx512f",)  # the paths for CPUs without AVX-512 (AVX2 + FMA where this CPU has them)
 GRANULARITY = {"tensor": 0, "channel": 1, "block": 2}  # FP8 scale layouts, as the extension numbers them
 
 

@@ -1,12 +1,15 @@
 // Matrix products with packed low-bit weights on the CPU: y[r, n] = sum_k x[r, k] * W[n, k], each weight
 // element decoded from its packed bytes in registers and never stored dense. Streaming the weight once per
 // call, it serves decode (1 to 16 rows) and prefill chunks alike. Built on first use by
-// moe/quant/kernels/cpu.py (torch.utils.cpp_extension), -O3 -march=native: three paths, chosen at compile
-// time by the CPU's features, all equal to the dequantized product up to the order of the fp32 sums:
-//   - bf16 inputs with AVX512_BF16 + AVX512_VBMI (a bf16 model): weights decoded to bf16 by byte and word
-//     table lookups, exact bf16 dot products (`vdpbf16ps`) into fp32 sums;
-//   - fp32 inputs with AVX-512 (and bf16 inputs without those two): weights decoded to fp32, fp32 FMAs;
-//   - portable loops elsewhere (the compiler vectorises them for AVX2).
+// moe/quant/kernels/cpu.py (torch.utils.cpp_extension), -O3 -march=native: four paths, chosen at compile
+// time by the CPU's features (`path()` names the one compiled), all equal to the dequantized product up to
+// the order of the fp32 sums:
+//   - "avx512-bf16": bf16 inputs with AVX512_BF16 + AVX512_VBMI (a bf16 model): weights decoded to bf16 by
+//     byte and word table lookups, exact bf16 dot products (`vdpbf16ps`) into fp32 sums; fp32 inputs as below;
+//   - "avx512f": AVX-512 (fp32 inputs; bf16 inputs converted to fp32): weights decoded to fp32, fp32 FMAs;
+//   - "avx2-fma": AVX2 + FMA + F16C, no AVX-512 (most desktop and laptop CPUs; fp32 inputs): E4M3 decoded
+//     through fp16 (`vcvtph2ps`), E2M1 by an 8-entry `vpermps` table, 8-wide fp32 FMAs;
+//   - "scalar": plain loops elsewhere (table lookups; what the compiler makes of them).
 //
 // Formats (the layouts of moe/quant/fp8.py, nvfp4.py, mxfp4.py):
 //   FP8    q uint8 [N, K] (E4M3 bits), scale fp32: per tensor [1], per channel [N], or per block
@@ -25,11 +28,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define HYBRID_BF16_DOT 1
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HYBRID_AVX2 1
 #endif
 
 namespace {
@@ -47,6 +53,18 @@ bool avx512() {
   return true;
 #else
   return false;
+#endif
+}
+
+const char* path() {  // which of the four paths was compiled (the header above)
+#if defined(HYBRID_BF16_DOT)
+  return "avx512-bf16";
+#elif defined(__AVX512F__)
+  return "avx512f";
+#elif defined(HYBRID_AVX2)
+  return "avx2-fma";
+#else
+  return "scalar";
 #endif
 }
 
@@ -151,7 +169,7 @@ std::vector<torch::Tensor> parallel_tiles(const std::vector<Job>& jobs) {
 // FP8 decode of Nano's 1,856 x 2,688 expert projections (2 threads, 120 MB of weights): 22 -> 31 GB/s, the
 // bandwidth of a PyTorch sum on the same machine being 33.
 inline void prefetch_next_tile(const uint8_t* p, int64_t tile_bytes) {
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(HYBRID_AVX2)
   _mm_prefetch(reinterpret_cast<const char*>(p + tile_bytes), _MM_HINT_T1);
 #endif
 }
@@ -361,6 +379,124 @@ std::vector<torch::Tensor> bf16_linear_group(const std::vector<torch::Tensor>& x
 torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) { return bf16_linear_group({x}, {w})[0]; }
 #endif
 
+// ---------------------------------------------------------------------------------------------- AVX2
+// Without AVX-512 there are 16 vector registers: a tile's NT x RT accumulators are cut into blocks of JB
+// weight rows with JB x RT <= 8 (8 x 1, 4 x 1..2, 2 x 3..4), each weight row still decoded once per tile and
+// x read as memory operands of the FMAs (from L1 / L2).
+#if defined(HYBRID_AVX2)
+template <int NT, int RT>
+constexpr int kAvx2Rows = RT <= 2 ? NT : 2;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// 16 E4M3 bytes -> 16 fp32 equal to e4m3(b) * 2^-8, exactly, except NaN: the byte sign-extended to 16 bits
+// and shifted left by 7 is S.S.EEEE.MMM.0000000; clearing bit 14 (a copy of the sign) leaves the fp16
+// S.0EEEE.MMM0000000, whose value is the E4M3 value times 2^(7 - 15) (fp16 has subnormals too, so the E4M3
+// subnormals map onto them; `vcvtph2ps` converts fp16 exactly, denormals included, whatever MXCSR's DAZ / FTZ
+// say). The NaN codes S.1111.111 come out as +-1.875 here: callers detect them on the bytes.
+inline void decode_e4m3_scaled(__m128i bytes, __m256& lo, __m256& hi) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+// part[j][r] = sum_{i < len} x[r * ldx + i] * e4m3(w[j][i]), for JB weight rows (next: the bytes from a row
+// to the same row of the next tile). The sums run on e4m3 * 2^-8 and are multiplied by 2^8 at the end (exact:
+// a power of two; the fp32 roundings are the same scaled ones, short of sums below 2^-118). A byte S.1111.111
+// anywhere in a row makes that row's results NaN (NaN times anything, 0 included, is NaN, as in the
+// reference); the last len % 16 elements go through the scalar table.
+template <int JB, int RT>
+void fp8_rows_avx2(const uint8_t* const* w, int64_t next, const float* x, int64_t ldx, int64_t len,
+                   float (*part)[kTileR]) {
+  __m256 acc[JB][RT];
+  for (int j = 0; j < JB; ++j)
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_setzero_ps();
+  __m256i seen = _mm256_setzero_si256();  // bytewise max of (b | 0x80): 0xFF once a NaN code was read
+  const __m256i sign = _mm256_set1_epi8(static_cast<char>(0x80));
+  const auto step = [&](int j, int64_t i) {  // 16 elements of row j from element i
+    __m256 lo, hi;
+    decode_e4m3_scaled(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j] + i)), lo, hi);
+    for (int r = 0; r < RT; ++r) {
+      acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + i), lo, acc[j][r]);
+      acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + i + 8), hi, acc[j][r]);
+    }
+  };
+  const auto nan_check = [&](const uint8_t* p) {  // 32 bytes
+    seen = _mm256_max_epu8(seen, _mm256_or_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), sign));
+  };
+  const int64_t len64 = len & ~int64_t{63}, len16 = len & ~int64_t{15};
+  for (int64_t i = 0; i < len64; i += 64)  // 64 bytes a row: one prefetch, two NaN checks, four steps
+    for (int j = 0; j < JB; ++j) {
+      prefetch_next_tile(w[j] + i, next);
+      nan_check(w[j] + i);
+      nan_check(w[j] + i + 32);
+      step(j, i), step(j, i + 16), step(j, i + 32), step(j, i + 48);
+    }
+  for (int64_t i = len64; i < len16; i += 16)
+    for (int j = 0; j < JB; ++j) {
+      seen = _mm256_max_epu8(seen, _mm256_or_si256(_mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(
+                 reinterpret_cast<const __m128i*>(w[j] + i)), 0), sign));
+      step(j, i);
+    }
+  for (int j = 0; j < JB; ++j)
+    for (int r = 0; r < RT; ++r) {
+      float s = hsum(acc[j][r]) * 256.0f;
+      for (int64_t i = len16; i < len; ++i) s += x[r * ldx + i] * kTables.e4m3[w[j][i]];
+      part[j][r] = s;
+    }
+  if (_mm256_movemask_epi8(_mm256_cmpeq_epi8(seen, _mm256_set1_epi8(-1))))  // rare: find the rows with a NaN code
+    for (int j = 0; j < JB; ++j)
+      for (int64_t i = 0; i < len16; ++i)
+        if ((w[j][i] & 0x7F) == 0x7F) {
+          for (int r = 0; r < RT; ++r) part[j][r] = NAN;
+          break;
+        }
+}
+
+// part[j][r] = sum over the row of x . (e2m1(codes) * scale(block)), for JB weight rows, x split even / odd
+// (`split_even_odd`). Steps of 8 code bytes (16 elements, one NVFP4 block, half an MXFP4 one): their low
+// nibbles are 8 even elements, their high ones the 8 odd ones after them; the magnitude comes from an 8-entry
+// `vpermps` table (it reads the index's low 3 bits), the sign bit is moved to bit 31. Each decoded weight is
+// multiplied by its block's scale (exact: at most 3 + 4 significant bits) as in the AVX-512 path.
+template <int JB, int RT>
+void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, int64_t next_codes,
+                   int64_t next_scales, const float* xs, int64_t ldx, int64_t K, int64_t group, const float* table,
+                   float (*part)[kTileR]) {
+  const __m256 lut = _mm256_loadu_ps(kE2M1);
+  const __m256i sgn = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  __m256 acc[JB][RT];
+  for (int j = 0; j < JB; ++j)
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_setzero_ps();
+  for (int64_t h = 0; h < K / 16; ++h) {  // K % 16 == 0
+    const float* xe = xs + (h >> 1) * 32 + (h & 1) * 8;  // the 8 even elements; the odd ones 16 further
+    const int64_t blk = group == 16 ? h : h >> 1;
+    for (int j = 0; j < JB; ++j) {
+      if ((h & 7) == 0) {
+        prefetch_next_tile(codes[j] + h * 8, next_codes);
+        prefetch_next_tile(scales[j] + blk, next_scales);
+      }
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[j] + h * 8)));
+      const __m256 s = _mm256_set1_ps(table[scales[j][blk]]);
+      const __m256 lo = _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(lut, v),
+                                                   _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 28), sgn))), s);
+      const __m256 hi = _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(lut, _mm256_srli_epi32(v, 4)),
+                                                   _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24), sgn))), s);
+      for (int r = 0; r < RT; ++r) {
+        acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xe + r * ldx), lo, acc[j][r]);
+        acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xe + r * ldx + 16), hi, acc[j][r]);
+      }
+    }
+  }
+  for (int j = 0; j < JB; ++j)
+    for (int r = 0; r < RT; ++r) part[j][r] = hsum(acc[j][r]);
+}
+#endif
+
 // ---------------------------------------------------------------------------------------------- FP8
 // part[j][r] = sum_{i < len} x[r * ldx + i] * e4m3(w[j][i]) (weight row stride: ldw bytes)
 template <int NT, int RT>
@@ -383,6 +519,9 @@ void fp8_tile(const uint8_t* const* w, int64_t ldw, const float* x, int64_t ldx,
   }
   for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+#elif defined(HYBRID_AVX2)
+  constexpr int JB = kAvx2Rows<NT, RT>;
+  for (int j0 = 0; j0 < NT; j0 += JB) fp8_rows_avx2<JB, RT>(w + j0, NT * ldw, x, ldx, len, part + j0);
 #else
   for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) {
@@ -487,7 +626,7 @@ torch::Tensor split_even_odd(const torch::Tensor& x) {
 template <int NT, int RT>
 void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t group, const float* table,
               float part[kTileN][kTileR]) {
-  const int64_t chunks = (K + 31) / 32, G = K / group;
+  [[maybe_unused]] const int64_t chunks = (K + 31) / 32, G = K / group;
 #if defined(__AVX512F__)
   const __m512 lut = _mm512_loadu_ps(kE2M1);
   __m512 acc[NT][RT];
@@ -519,6 +658,10 @@ void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t
   }
   for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
+#elif defined(HYBRID_AVX2)
+  constexpr int JB = kAvx2Rows<NT, RT>;
+  for (int j0 = 0; j0 < NT; j0 += JB)
+    fp4_rows_avx2<JB, RT>(w.codes + j0, w.scales + j0, NT * K / 2, NT * G, xs, ldx, K, group, table, part + j0);
 #else
   for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) {
@@ -624,5 +767,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_linear_group", &bf16_linear_group, "[x_g @ w_g.T for each g] in one parallel loop (bf16 -> fp32)");
 #endif
   m.def("avx512", &avx512, "whether the AVX-512 path was compiled");
+  m.def("path", &path, "the path compiled: avx512-bf16, avx512f, avx2-fma or scalar");
   m.def("bf16_inputs", &bf16_inputs, "whether bfloat16 inputs are taken (AVX512_BF16 + VBMI dot products)");
 }
