@@ -137,9 +137,10 @@ def _prompt_text(prompt: str) -> tuple[str, str | None]:
     return prompt, None
 
 
-def _serve(args) -> int:
+def _engine_args_ok(args) -> bool:
+    """`hybrid serve` / `hybrid chat`: the model resolved and --prefix-cache-file writable (else a message)."""
     if not _default_model(args):
-        return 2
+        return False
     if args.prefix_cache_file:
         from hybrid.atomic import check_writable
 
@@ -147,23 +148,21 @@ def _serve(args) -> int:
             check_writable(args.prefix_cache_file)
         except OSError as e:
             print(f"error: --prefix-cache-file: {e}", file=sys.stderr)
-            return 2
+            return False
+    return True
+
+
+def _serve(args) -> int:
+    if not _engine_args_ok(args):
+        return 2
     from hybrid.serving.serve import serve
 
     return serve(args)
 
 
 def _chat(args) -> int:
-    if not _default_model(args):
+    if not _engine_args_ok(args):
         return 2
-    if args.prefix_cache_file:
-        from hybrid.atomic import check_writable
-
-        try:
-            check_writable(args.prefix_cache_file)
-        except OSError as e:
-            print(f"error: --prefix-cache-file: {e}", file=sys.stderr)
-            return 2
     from hybrid.serving.chat import chat
 
     return chat(args)
