@@ -175,10 +175,10 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
                     f"{files.file_of('lm_head.weight')}: config.json sets tie_word_embeddings, but lm_head.weight "
                     "differs from backbone.embeddings.weight"
                 )
-    if packed:
-        model.requires_grad_(False)  # inference only: a backward pass raises (see moe.prepack)
     if packed or mapped:
         swap_modules(model, lambda name, m: packed.get(name, mapped.get(name)))
+    if packed:
+        model.requires_grad_(False)  # inference only: a backward pass raises (see moe.prepack)
     model.load_state_dict(loaded, strict=not (packed or mapped), assign=True)
     if tied:
         model.lm_head.weight = model.backbone.embeddings.weight
