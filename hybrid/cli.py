@@ -4,6 +4,7 @@ the terminal, `info` about a checkpoint or config, `quantize`.
     hybrid generate [MODEL] --prompt TEXT [--chat] [--max-new-tokens N] [--temperature T] [--top-k K]
                     [--top-p P] [--seed S] [--dtype D] [--act-quant] [--speculative N]
                     [--prefix-cache FILE [--prefix-snapshot-interval N]] [--json]
+    torchrun --nproc-per-node N -m hybrid generate MODEL --prompt TEXT ...   (tensor parallel over N ranks)
     hybrid serve [MODEL] [--host H] [--port P] [--max-num-seqs N] [--max-model-len L] [--memory SIZE]
                  [--max-queue Q] [--no-prefix-cache] [--prefix-cache-file FILE] [--api-key KEY]
     hybrid chat [MODEL] [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
@@ -30,20 +31,53 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / "h
 
 
 def _generate(args) -> int:
+    """`hybrid generate`, in one process or, under torchrun, as one rank of a tensor-parallel run
+    (`hybrid.parallel.launch`): every rank loads its shard and runs the same steps; rank 0 reads the prompt
+    and alone prints (the other ranks' stdout and stderr are discarded; an error on any rank reaches rank 0)."""
+    from hybrid.parallel import launch
+
+    if not launch.launched():
+        return _generate_on(args, 0, 1)
+    import contextlib
+
+    rank, world = launch.start(args.threads)
+    try:
+        if rank == 0:
+            return _generate_on(args, rank, world)
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+            try:
+                return _generate_on(args, rank, world)
+            except ValueError:  # ConfigError and CheckpointError too: the same error rank 0 prints
+                return 2
+    finally:
+        launch.stop()
+
+
+def _generate_on(args, rank: int, world: int) -> int:
     from hybrid.generate import generate
     from hybrid.loading import load
+    from hybrid.parallel import launch
 
     if not _default_model(args):
         return 2
-    if args.threads is not None:
+    if args.threads is not None and world == 1:
         import torch
 
         torch.set_num_threads(args.threads)
     from hybrid.sampling import SAMPLING_EPS
 
-    prompt, problem = _prompt_text(args.prompt)
-    if problem or not prompt:
-        print(f"error: {problem or 'the prompt is empty'}", file=sys.stderr)
+    prompt, problem = _prompt_text(args.prompt) if rank == 0 else ("", None)
+    if rank == 0 and not problem and not prompt:
+        problem = "the prompt is empty"
+    if world > 1:
+        problem = launch.agree(problem)
+        prompt = launch.broadcast_text(prompt) if problem is None else ""
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    if world > 1 and (args.speculative or args.prefix_cache):
+        print(f"error: {'--speculative' if args.speculative else '--prefix-cache'} is not supported under "
+              "torchrun yet (tensor parallelism runs plain generation)", file=sys.stderr)
         return 2
     greedy = args.temperature < SAMPLING_EPS
     if greedy and (args.top_k is not None or args.top_p is not None or args.seed is not None):
@@ -64,7 +98,19 @@ def _generate(args) -> int:
             return 2
     with warnings.catch_warnings(record=True) as notes:  # load-time notes (e.g. tokens past the vocabulary)
         warnings.simplefilter("always")
-        model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant, mmap=args.mmap)
+        if world == 1:
+            model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant, mmap=args.mmap)
+        else:  # every rank learns of an error on any rank, instead of waiting for it in a collective
+            error = None
+            try:
+                model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant, mmap=args.mmap,
+                                        tensor_parallel=world, progress=rank == 0)
+            except (ValueError, OSError) as e:
+                error = str(e)
+            error = launch.agree(error)
+            if error:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
     for n in notes:
         print(f"note: {n.message}", file=sys.stderr)
     if args.speculative and model.mtp is None:
@@ -403,7 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=True,
                    help="keep bf16 weights as views of the checkpoint's memory map (default); --no-mmap copies "
                         "them into the process, safe from eviction by the page cache (llama.cpp's --no-mmap)")
-    g.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=_threads, default=None,
+                   help="torch CPU threads (default: torch's choice; under torchrun, this host's CPUs divided "
+                        "among its ranks)")
     g.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")
     g.add_argument("--speculative", type=_non_negative_int, default=0, metavar="N",

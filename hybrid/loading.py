@@ -33,6 +33,9 @@ from hybrid.checkpoint_files import CheckpointError, CheckpointFiles, resolve_ch
 from hybrid.config import MAMBA, ConfigError, HybridConfig
 from hybrid.dtypes import torch_dtype
 from hybrid.model import HybridForCausalLM
+from hybrid import parallel
+from hybrid.parallel.files import ShardedFiles, full_shapes
+from hybrid.parallel.modules import attach_collectives, make_rank_model
 from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
 from moe.experts import PrepackedExpertBank
 from hybrid.ops import cpu as mamba_kernels
@@ -87,6 +90,7 @@ def load_model(
     prepack: bool = True,
     progress: bool = True,
     mmap: bool = True,
+    tensor_parallel: int | None = None,
 ) -> HybridForCausalLM:
     """Load a checkpoint directory (or hub repo id) into a `HybridForCausalLM` in eval mode.
 
@@ -108,17 +112,30 @@ def load_model(
             False copies them into the process's own memory (llama.cpp's
             `--no-mmap`), which the OS cannot evict under page-cache pressure (other large files read
             meanwhile), at the cost of the copy at load.
+        tensor_parallel: N > 1: this process's shard of the model over the N ranks of the initialised
+            torch.distributed process group (`hybrid.parallel`): it reads only its parts of the files, and its
+            forward gives the full model's logits. bf16 / fp16 / fp32 checkpoints only, for now.
     Raises:
         ConfigError: config.json unreadable or invalid (names the file and field).
         CheckpointError: missing shard, missing / unused tensor, shape mismatch, pickled weights, an
             unknown quantization method, or quantized tensors that do not match the declared format
             (names the file, tensor, module and format).
+        ValueError: `tensor_parallel` differs from the process group's size, or is set for a quantized
+            checkpoint; ConfigError: sizes that do not split `tensor_parallel` ways.
     """
     directory = resolve_checkpoint(path_or_repo, revision)
     config = HybridConfig.from_file(directory / "config.json")
     quant = read_quant_config(directory, config)
+    sharded = parallel.rank_plan(config, tensor_parallel)
+    if sharded is not None and quant is not None:
+        raise ValueError(f"{directory}: tensor_parallel={tensor_parallel} with a quantized checkpoint "
+                         f"({quant.source}) is not supported yet; load a bf16 / fp16 / fp32 checkpoint")
     model = build_model(config, parse_dtype(dtype, config))
     files = CheckpointFiles(directory)
+    if sharded is not None:
+        plan, comm = sharded
+        files = ShardedFiles(files, plan, full_shapes(model))
+        model = make_rank_model(build_model(plan.local_config, model.dtype), config, plan)
     if quant is not None:
         try:
             quantize_modules(model, quant, act_quant=act_quant)
@@ -127,6 +144,9 @@ def load_model(
         register_kv_scales(model, quant, files)
     prepack = prepack and model.dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16.available()
     load_weights(model, files, device, prepack=prepack, progress=progress, mmap=mmap)
+    if sharded is not None:
+        attach_collectives(model, plan, comm)
+        model.parallel.read_bytes = files.read_bytes
     del files  # unmaps the checkpoint
     model.source_dir = Path(directory).resolve()  # save_checkpoint's default `source`: never saved onto
     if torch.device(device).type == "cpu" and MAMBA in config.hybrid_override_pattern:
@@ -193,7 +213,7 @@ def _check_all(model: HybridForCausalLM, files: CheckpointFiles, sources: dict[s
     packed = _packed_owner(model)
     for name, names in sources.items():
         target = targets[name]
-        shape = tuple(target.shape[1:]) if len(names) > 1 else tuple(target.shape)  # per-expert tensors
+        shape = tuple(target.shape[1:]) if names != [name] else tuple(target.shape)  # per-expert tensors
         for s in names:
             if s in files:
                 _check(s, shape, target.dtype, files, name, packed.get(name), model)
@@ -245,7 +265,7 @@ def _packed(name: str, module: nn.Module, files: CheckpointFiles, model: HybridF
             pair, names = [], []
             for proj, stack in stacks.items():
                 sources_of = sources[f"{name}.{proj}"]
-                if len(sources_of) > 1:
+                if sources_of != [f"{name}.{proj}"]:  # one tensor per expert
                     names.append(sources_of[j])
                     w = read(sources_of[j], tuple(stack.shape[1:]))
                 else:  # stored stacked
@@ -303,7 +323,7 @@ def read_tensors(targets: dict[str, torch.Tensor], files: CheckpointFiles, devic
             continue
         out = torch.empty(target.shape, dtype=target.dtype, device=device)
         owner = packed.get(name)
-        if len(sources) == 1:
+        if sources == [name]:
             _copy_checked(out, sources[0], files, name, owner, model)
         else:
             for j, s in enumerate(sources):
@@ -406,6 +426,7 @@ def load(
     prepack: bool = True,
     progress: bool = True,
     mmap: bool = True,
+    tensor_parallel: int | None = None,
 ):
     """Load a model and its tokenizer: `(HybridForCausalLM, Tokenizer)`.
 
@@ -419,7 +440,8 @@ def load(
     from hybrid.tokenizer import Tokenizer
 
     directory = resolve_checkpoint(path_or_repo, revision)
-    model = load_model(directory, dtype, device, act_quant=act_quant, prepack=prepack, progress=progress, mmap=mmap)
+    model = load_model(directory, dtype, device, act_quant=act_quant, prepack=prepack, progress=progress, mmap=mmap,
+                       tensor_parallel=tensor_parallel)
     tokenizer = Tokenizer.from_dir(directory, config_eos=model.config.eos_token_ids, config_pad=model.config.pad_token_id)
     vocab = model.config.vocab_size
     extra = tokenizer.tokens_from(vocab)

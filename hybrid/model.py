@@ -152,6 +152,8 @@ class HybridForCausalLM(nn.Module):
         self.quantization: QuantConfig | None = None
         self.act_quant = False
         self._weights_digest: str | None = None
+        self.cache_config = config  # the sizes of this process's caches: a rank's under tensor parallelism
+        self.parallel = None  # `hybrid.parallel.TensorParallel` of a sharded model (`hybrid.load(tensor_parallel=N)`)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -233,13 +235,13 @@ class HybridForCausalLM(nn.Module):
     # ------------------------------------------------------------------------------------------ caches
     def new_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
         """An empty inference state for `batch_size` sequences (KV preallocated for `capacity` positions)."""
-        return HybridCache(self.config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity)
+        return HybridCache(self.cache_config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity)
 
     def new_mtp_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
         """An empty inference state for the MTP block's layers (see `mtp_step`)."""
         if self.mtp is None:
             raise ValueError("this model has no MTP block (num_nextn_predict_layers is 0)")
-        return HybridCache(self.config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity,
+        return HybridCache(self.cache_config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity,
                            pattern=self.config.mtp_pattern)
 
     # ------------------------------------------------------------------------------------------ forward

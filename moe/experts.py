@@ -59,18 +59,32 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
     Each chosen expert gets its contiguous slice `x_e` [n_e, L] of the tokens sorted by expert. A single
     token (decode at batch 1) skips the sort: its k experts run in turn, or all at once through
     `one_token(chosen, x)` -> [k, 1, L] when given (a bank's kernel taking the k experts in one call).
+    Pairs whose id lies outside [0, n_experts) (experts another rank holds, `hybrid.parallel`) are skipped:
+    they add nothing to the sum.
     """
     T = ids.shape[0]
-    if T == 1 and one_token is not None:
-        y = one_token(ids[0].tolist(), x)
-        return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # summed in fp32
-    if T == 1:  # nothing to sort or scatter
+    inside = (ids >= 0) & (ids < n_experts)
+    if T == 1:
+        if not bool(inside.all()):
+            keep = inside[0]
+            if not bool(keep.any()):
+                return x.new_zeros(1, x.shape[-1])
+            ids, weights = ids[:, keep], weights[:, keep]
+        if one_token is not None:
+            y = one_token(ids[0].tolist(), x)
+            return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # summed in fp32
         y = torch.zeros(1, x.shape[-1], dtype=torch.float32, device=x.device)
         for e, w in zip(ids[0].tolist(), weights[0].tolist()):
             y.add_(expert(e, x).float(), alpha=w)
         return y.to(x.dtype)
+    if not bool(inside.all()):
+        ids = ids.masked_fill(~inside, n_experts)  # sorted last, never run
     order, token_of, counts = _sort_by_expert(ids, n_experts)
-    counts = counts.tolist()
+    counts = counts.tolist()[:n_experts]
+    m = sum(counts)
+    if m == 0:
+        return x.new_zeros(T, x.shape[-1])
+    order, token_of = order[:m], token_of[:m]
     parts = torch.split(x[token_of], counts)
     ys = [expert(e, part) for e, part in enumerate(parts) if counts[e]]
     return _combine(torch.cat(ys), weights, order, token_of, T, x.dtype)

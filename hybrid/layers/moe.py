@@ -4,6 +4,9 @@
     routed = fc2_latent_proj(experts(fc1_latent_proj(x), w, ids))     (latent projections only with moe_latent_size)
     out = routed + shared_experts(x)                                   (the shared expert sees the full x)
 
+Under tensor parallelism (`hybrid.parallel`) `experts` holds one rank's experts from `expert_offset` on: ids
+of other ranks' experts fall outside the bank and are skipped (`moe.experts.dispatch`).
+
 The Nemotron-specific assembly of the model-agnostic parts in `moe` (router maths, expert banks, dispatch).
 Reference: transformers `NemotronHMoE`, vLLM `NemotronHMoE`.
 """
@@ -33,13 +36,14 @@ class MoE(nn.Module):
         )
         self.fc1_latent_proj = nn.Linear(H, latent, bias=config.mlp_bias) if latent else None
         self.fc2_latent_proj = nn.Linear(latent, H, bias=config.mlp_bias) if latent else None
+        self.expert_offset = 0  # the global id of `experts`' first expert (a rank's share under `hybrid.parallel`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
         u = self.fc1_latent_proj(flat) if self.fc1_latent_proj is not None else flat
-        routed = self.experts(u, weights, ids)
+        routed = self.experts(u, weights, ids - self.expert_offset if self.expert_offset else ids)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         out = routed.view(shape)

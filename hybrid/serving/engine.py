@@ -103,7 +103,7 @@ class Engine:
                  prefix_caching: bool = False, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL,
                  prefix_cache_bytes: int = DEFAULT_MAX_BYTES, grow: bool = False):
         self.model = model
-        config = model.config
+        config = model.cache_config  # a rank's KV heads and Mamba state under tensor parallelism
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("snapshot_interval", snapshot_interval)):
             _check_size(name, value)

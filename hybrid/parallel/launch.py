@@ -1,0 +1,78 @@
+"""The command line under torchrun: the process group, threads per rank, rank 0's input, errors on any rank.
+
+`torchrun --nproc-per-node N -m hybrid generate MODEL ...` starts N copies of the command with the
+torch.distributed environment (RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Each one loads
+its shard; rank 0 alone reads the prompt (also stdin) and prints. A failure on one rank is exchanged
+(`agree`) so every rank stops with its message instead of waiting in a collective for a rank that left;
+torchrun also stops the other workers when one exits with an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+# long enough for a large model's load on a slow disk, short enough that a lost rank ends the run
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def launched() -> bool:
+    """Whether this process is one of several ranks started by torchrun (WORLD_SIZE above 1)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def start(threads: int | None) -> tuple[int, int]:
+    """Join the process group (gloo: the command runs on the CPU) and set this rank's torch threads: `threads`,
+    or the CPUs this process may use divided among the ranks on this host (torchrun's own default is one
+    thread per rank). Returns (rank, world size)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch.set_num_threads(threads or max(1, cpus // max(1, local)))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def stop() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def broadcast_text(text: str | None) -> str:
+    """Rank 0's `text` on every rank (the other ranks pass None), sent as UTF-8 bytes (nothing is pickled)."""
+    data = torch.frombuffer(bytearray(text.encode("utf-8")), dtype=torch.uint8) if dist.get_rank() == 0 \
+        else torch.empty(0, dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    dist.broadcast(size, 0)
+    if dist.get_rank() != 0:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    if int(size):
+        dist.broadcast(data, 0)
+    return bytes(data.tolist()).decode("utf-8")
+
+
+def agree(error: str | None) -> str | None:
+    """Every rank's error of the step just done (None where it succeeded) -> the first one, as
+    "rank R: message", on every rank; None when all succeeded."""
+    mine = torch.frombuffer(bytearray((error or "").encode("utf-8")), dtype=torch.uint8) if error \
+        else torch.empty(0, dtype=torch.uint8)
+    world = dist.get_world_size()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64))
+    longest = max(int(s) for s in sizes)
+    if longest == 0:
+        return None
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(parts, padded)
+    for rank, (size, part) in enumerate(zip(sizes, parts)):
+        if int(size):
+            return f"rank {rank}: " + bytes(part[: int(size)].tolist()).decode("utf-8", errors="replace")
+    return None
