@@ -72,11 +72,14 @@ def test_linear_from_packed_bytes_equals_the_dequantized_product(name, shape):
             assert_exact(cpu.linear(xd, q), xd, W)
 
 
-@pytest.mark.skipif(not cpu.module().bf16_inputs(), reason="no AVX512_BF16 + AVX512_VBMI build on this CPU")
+NO_BF16_WEIGHTS = "no bf16-weight kernel in this build (AVX512_BF16 + VBMI, or AVX2 + FMA without AVX-512)"
+
+
+@pytest.mark.skipif(not cpu.module().bf16_weights(), reason=NO_BF16_WEIGHTS)
 @pytest.mark.parametrize("shape", [(1856, 2688), (2688, 1856), (7, 100)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_bf16_weights_dot_product(shape):
     """The plain bf16 form of the prepacked modules (`moe.quant.kernels.bf16`): exact products, fp32 sums;
-    K = 100: a partial 32-element step."""
+    K = 100: a partial 32-element step (AVX2: a partial 8-element one too)."""
     out_f, in_f = shape
     g = torch.Generator().manual_seed(out_f)
     W = (torch.randn(out_f, in_f, generator=g) * 0.02).bfloat16()
@@ -85,7 +88,7 @@ def test_bf16_weights_dot_product(shape):
         assert_exact(cpu.module().bf16_linear(x, W), x, W.double())
 
 
-@pytest.mark.skipif(not cpu.module().bf16_inputs(), reason="no AVX512_BF16 + AVX512_VBMI build on this CPU")
+@pytest.mark.skipif(not cpu.module().bf16_weights(), reason=NO_BF16_WEIGHTS)
 def test_bf16_weights_in_one_group_call():
     """`bf16_linear_group` (a decoded token's experts in one parallel loop): each product of the group, of any
     shapes (Nano's up and down projections, a partial tile, 1 and 5 rows), equals its own exact product."""
@@ -256,6 +259,11 @@ def test_the_portable_builds_equal_the_dequantized_product_too():
                     for dtype in (torch.float32, torch.bfloat16):
                         x = torch.randn(rows, in_f).to(dtype)
                         assert_exact(cpu.linear(x, q, ext=ext), x, q.dequantize(torch.float64))
+        assert ext.bf16_weights() == (path == "avx2-fma")  # the bf16 plain form: AVX2, as on AVX-512 BF16
+        if ext.bf16_weights():
+            for in_f, rows in ((96, 1), (100, 3), (37, 5)):
+                W, x = (torch.randn(19, in_f) * 0.02).bfloat16(), torch.randn(rows, in_f).bfloat16()
+                assert_exact(ext.bf16_linear(x, W), x, W.double())
 
 
 def exts():

@@ -67,6 +67,20 @@ def test_packed_linear_matches_fp32_product(form, shape, bias):
     assert all(torch.equal(packed.state_dict()[k], source.state_dict()[k]) for k in source.state_dict())
 
 
+def test_prefill_tiles_equal_the_exact_product(monkeypatch):
+    """Inputs past `DECODE_ROWS` on a plain weight where PyTorch has no fast bf16 GEMM (AVX2): fp32 GEMMs over
+    tiles of the weight (here 7 rows a tile, the last one short), the fp32 sums of exact products."""
+    if bf16.plain_kernel() is None:
+        pytest.skip("the bf16 dot-product kernel is not built for this CPU")
+    monkeypatch.setattr(bf16, "PREFILL_TILE_BYTES", 7 * 4 * 100)
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(40, 100, generator=g).bfloat16(), torch.randn(33, 100, generator=g).bfloat16()
+    got = bf16._fp32_tiles(x, w)
+    ref = x.double() @ w.double().T
+    assert got.dtype == torch.float32 and got.shape == (33, 40)
+    assert bool(((got.double() - ref).abs() <= 2e-6 * (x.double().abs() @ w.double().abs().T)).all())
+
+
 def test_packed_expert_bank_matches_bank(form):
     torch.manual_seed(1)
     bank = ExpertBank(6, 32, 48).to(torch.bfloat16)

@@ -3,15 +3,19 @@
 
 A weight is stored, once, in one of two forms (`pack`), and every product dispatches on the form:
 
-    plain    the [out, in] matrix as it is, where the packed-weight extension has its
-             bf16 dot-product kernel (`moe.quant.kernels.cpu`: AVX512_BF16 + AVX512_VBMI): inputs of up to
-             `DECODE_ROWS` rows (decode) run there, streaming the weight at about 30 GB/s on this project's
-             2-core machine where oneDNN's prepacked product reads it at 19-25 (Nano's 1,856 x 2,688 expert
-             projections, 10,304 x 2,688 Mamba in_proj and 32K x 2,688 head, from DRAM); larger inputs run
-             PyTorch's matmul, within 2-14% of oneDNN's prepacked GEMM at 128-512 rows. Nothing is copied:
-             a weight read from a checkpoint stays a view of its read-only memory map (as llama.cpp maps
-             its GGUF), so loading does not touch the bytes and the first forward reads them from the OS
-             page cache; the model and the page cache share one copy. (The checkpoint files must then not
+    plain    the [out, in] matrix as it is, where the packed-weight extension has its bf16 kernel
+             (`moe.quant.kernels.cpu`: AVX512_BF16 + AVX512_VBMI dot products, or on CPUs without AVX-512,
+             AVX2 + FMA with the weights widened to fp32 in registers, as llama.cpp's AVX2 path does). Inputs
+             of up to `DECODE_ROWS` rows (decode) run there, streaming the weight at about 30 GB/s on
+             this project's AVX-512 2-core machine where oneDNN's prepacked product reads it at 19-25
+             (Nano's 1,856 x 2,688 expert projections, 10,304 x 2,688 Mamba in_proj and 32K x 2,688 head,
+             from DRAM), and at 22-34 GB/s on a 2-core AVX2 EPYC where PyTorch's `F.linear` reads 11-18 at
+             one row and 1.2-5 at 4-16. Larger inputs run PyTorch's matmul, within 2-14% of oneDNN's
+             prepacked GEMM at 128-512 rows; on AVX2, whose bf16 GEMM in PyTorch is 4-6x slower than its
+             fp32 one, fp32 GEMMs on 8 MB tiles of the weight widened to fp32 (`_fp32_tiles`). Nothing is
+             copied: a weight read from a checkpoint stays a view of its read-only memory map (as llama.cpp
+             maps its GGUF), so loading does not touch the bytes and the first forward reads them from the
+             OS page cache; the model and the page cache share one copy. (The checkpoint files must then not
              be rewritten in place while the model lives; this project's writer replaces files atomically.)
     oneDNN   oneDNN's blocked layout (`moe.quant.kernels.onednn`) on other CPUs with oneDNN bf16.
 """
@@ -24,12 +28,13 @@ import torch.nn.functional as F
 from moe.quant.kernels import cpu, onednn
 
 DECODE_ROWS = 16  # inputs with at most this many rows take the dot-product kernel (plain form)
+PREFILL_TILE_BYTES = 8 << 20  # the fp32 tile of a weight widened at a time for larger inputs on AVX2
 
 
 def plain_kernel():
-    """The extension when it has the bf16 dot-product kernel on this CPU, else None."""
+    """The extension when it has the bf16-weight kernel on this CPU (`bf16_weights()`), else None."""
     ext = cpu.module()
-    return ext if ext is not None and ext.bf16_inputs() else None
+    return ext if ext is not None and ext.bf16_weights() else None
 
 
 def available() -> bool:
@@ -63,6 +68,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
         return onednn.linear(x, packed, bias, relu)
     if x.numel() <= DECODE_ROWS * x.shape[-1]:
         return _from_kernel(x, plain_kernel().bf16_linear(_rows(x), packed), bias, relu)
+    if not plain_kernel().bf16_inputs():  # AVX2: PyTorch's bf16 GEMM runs at a fifth of its fp32 one here
+        return _from_kernel(x, _fp32_tiles(_rows(x), packed), bias, relu)
     y = F.linear(x, packed, bias)
     return (torch.relu(y) if relu else y).to(torch.bfloat16)
 
@@ -76,6 +83,19 @@ def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool =
         return [linear(x, p, relu=relu) for x, p in zip(xs, packs)]
     ys = ext.bf16_linear_group([_rows(x) for x in xs], list(packs))
     return [_from_kernel(x, y, None, relu) for x, y in zip(xs, ys)]
+
+
+def _fp32_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [R, K] bf16 @ w [N, K] bf16 .T -> [R, N] fp32 through fp32 GEMMs on `PREFILL_TILE_BYTES` of w widened
+    at a time (exact products, fp32 sums, as the kernel's; no whole fp32 copy of w). On a 2-core AVX2 EPYC, at
+    64-512 rows of Nano's projections: 86-145 GFLOP/s, against 20-21 for PyTorch's bf16 `F.linear` and 87-90
+    for the decode kernel."""
+    xf = x.float()
+    out = torch.empty(w.shape[0], x.shape[0], dtype=torch.float32, device=x.device)  # y.T: tiles are its rows
+    step = max(1, PREFILL_TILE_BYTES // (4 * w.shape[1]))
+    for n0 in range(0, w.shape[0], step):
+        torch.mm(w[n0:n0 + step].float(), xf.T, out=out[n0:n0 + step])
+    return out.T
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

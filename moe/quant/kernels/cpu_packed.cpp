@@ -8,7 +8,8 @@
 //     byte and word table lookups, exact bf16 dot products (`vdpbf16ps`) into fp32 sums; fp32 inputs as below;
 //   - "avx512f": AVX-512 (fp32 inputs; bf16 inputs converted to fp32): weights decoded to fp32, fp32 FMAs;
 //   - "avx2-fma": AVX2 + FMA + F16C, no AVX-512 (most desktop and laptop CPUs; fp32 inputs): E4M3 decoded
-//     through fp16 (`vcvtph2ps`), E2M1 by an 8-entry `vpermps` table, 8-wide fp32 FMAs;
+//     through fp16 (`vcvtph2ps`), E2M1 by an 8-entry `vpermps` table, 8-wide fp32 FMAs; bf16 weights (the
+//     plain form of moe/quant/kernels/bf16.py) widened to fp32 by a shift, bf16 inputs widened once;
 //   - "scalar": plain loops elsewhere (table lookups; what the compiler makes of them).
 //
 // Formats (the layouts of moe/quant/fp8.py, nvfp4.py, mxfp4.py):
@@ -42,6 +43,14 @@ namespace {
 
 bool bf16_inputs() {
 #if defined(HYBRID_BF16_DOT)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool bf16_weights() {  // whether bf16_linear (bf16 weights, no decoding) was compiled
+#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2)
   return true;
 #else
   return false;
@@ -335,48 +344,6 @@ void bf16_tile_dot(const uint16_t* const* w, int64_t ldw, const uint16_t* x, int
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
-// One product x [R, K] bf16 @ w [N, K] bf16 .T -> y [R, N] fp32 (exact products, fp32 sums), tile by tile
-struct Bf16Product {
-  torch::Tensor x, w, y;
-  int64_t R, K, N, tiles;
-  int nt;
-  Bf16Product(const torch::Tensor& x_, const torch::Tensor& w_) : x(x_), w(w_) {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be [R, K] bfloat16");
-    R = x.size(0), K = x.size(1), N = w.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(1) == K,
-                "w must be contiguous bfloat16 [N, ", K, "]");
-    y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
-  }
-  void tile(int64_t t) const {
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-    float* yp = y.data_ptr<float>();
-    float part[kTileN][kTileR];
-    int64_t n[kTileN];
-    const uint16_t* wr[kTileN];
-    for (int j = 0; j < nt; ++j) {
-      n[j] = std::min(t * nt + j, N - 1);
-      wr[j] = wp + n[j] * K;
-    }
-    for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
-      const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
-      const uint16_t* x0 = xp + r0 * K;
-      with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_dot<TILE_ARGS>(wr, K, x0, K, K, part); });
-      for (int j = 0; j < nt && t * nt + j < N; ++j)
-        for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r];
-    }
-  }
-};
-
-// [xs[g] @ ws[g].T for each g] (each pair its own shapes) in one parallel loop
-std::vector<torch::Tensor> bf16_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& ws) {
-  TORCH_CHECK(xs.size() == ws.size(), "as many inputs as weights");
-  std::vector<Bf16Product> jobs;
-  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], ws[g]);
-  return parallel_tiles(jobs);
-}
-
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) { return bf16_linear_group({x}, {w})[0]; }
 #endif
 
 // ---------------------------------------------------------------------------------------------- AVX2
@@ -495,6 +462,109 @@ void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, in
   for (int j = 0; j < JB; ++j)
     for (int r = 0; r < RT; ++r) part[j][r] = hsum(acc[j][r]);
 }
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// part[j][r] = sum_{i < len} x[r * ldx + i] * bf16(w[j][i]), for JB bf16 weight rows and fp32 x: 8 weights at
+// a time widened to fp32 by a zero-extension and a 16-bit shift (exact), then fp32 FMAs (the products of two
+// bf16 are exact in fp32, as `vdpbf16ps`'s; the sums are fp32). `next`: the bytes to the next tile's rows.
+template <int JB, int RT>
+void bf16_rows_avx2(const uint16_t* const* w, int64_t next, const float* x, int64_t ldx, int64_t len,
+                    float (*part)[kTileR]) {
+  __m256 acc[JB][RT];
+  for (int j = 0; j < JB; ++j)
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_setzero_ps();
+  const auto step = [&](int j, int64_t i) {
+    const __m256 wv = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j] + i))), 16));
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx + i), wv, acc[j][r]);
+  };
+  const int64_t len32 = len & ~int64_t{31}, len8 = len & ~int64_t{7};
+  for (int64_t i = 0; i < len32; i += 32)  // 64 bytes a row: one prefetch, four steps
+    for (int j = 0; j < JB; ++j) {
+      prefetch_next_tile(reinterpret_cast<const uint8_t*>(w[j] + i), next);
+      step(j, i), step(j, i + 8), step(j, i + 16), step(j, i + 24);
+    }
+  for (int64_t i = len32; i < len8; i += 8)
+    for (int j = 0; j < JB; ++j) step(j, i);
+  for (int j = 0; j < JB; ++j)
+    for (int r = 0; r < RT; ++r) {
+      float s = hsum(acc[j][r]);
+      for (int64_t i = len8; i < len; ++i) s += x[r * ldx + i] * bf16_to_float(w[j][i]);
+      part[j][r] = s;
+    }
+}
+
+template <int NT, int RT>
+void bf16_tile_avx2(const uint16_t* const* w, int64_t ldw, const float* x, int64_t ldx, int64_t len,
+                    float part[kTileN][kTileR]) {
+  constexpr int JB = kAvx2Rows<NT, RT>;
+  for (int j0 = 0; j0 < NT; j0 += JB) bf16_rows_avx2<JB, RT>(w + j0, NT * 2 * ldw, x, ldx, len, part + j0);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------- bf16 weights
+#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2)
+// One product x [R, K] bf16 @ w [N, K] bf16 .T -> y [R, N] fp32 (exact products, fp32 sums), tile by tile:
+// `vdpbf16ps` on bf16 x where AVX512_BF16 was compiled; on AVX2, x widened to fp32 once and the weights in
+// registers (`bf16_rows_avx2`)
+struct Bf16Product {
+  torch::Tensor x, w, y;
+  int64_t R, K, N, tiles;
+  int nt;
+  Bf16Product(const torch::Tensor& x_, const torch::Tensor& w_) : x(x_), w(w_) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be [R, K] bfloat16");
+    R = x.size(0), K = x.size(1), N = w.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(1) == K,
+                "w must be contiguous bfloat16 [N, ", K, "]");
+#if !defined(HYBRID_BF16_DOT)
+    x = x.to(torch::kFloat);
+#endif
+    y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+  }
+  void tile(int64_t t) const {
+#if defined(HYBRID_BF16_DOT)
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+#else
+    const float* xp = x.data_ptr<float>();
+#endif
+    const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+    float* yp = y.data_ptr<float>();
+    float part[kTileN][kTileR];
+    int64_t n[kTileN];
+    const uint16_t* wr[kTileN];
+    for (int j = 0; j < nt; ++j) {
+      n[j] = std::min(t * nt + j, N - 1);
+      wr[j] = wp + n[j] * K;
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += kTileR) {
+      const int rt = static_cast<int>(std::min<int64_t>(kTileR, R - r0));
+      const auto* x0 = xp + r0 * K;
+#if defined(HYBRID_BF16_DOT)
+      with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_dot<TILE_ARGS>(wr, K, x0, K, K, part); });
+#else
+      with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_avx2<TILE_ARGS>(wr, K, x0, K, K, part); });
+#endif
+      for (int j = 0; j < nt && t * nt + j < N; ++j)
+        for (int r = 0; r < rt; ++r) yp[(r0 + r) * N + n[j]] = part[j][r];
+    }
+  }
+};
+
+// [xs[g] @ ws[g].T for each g] (each pair its own shapes) in one parallel loop
+std::vector<torch::Tensor> bf16_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& ws) {
+  TORCH_CHECK(xs.size() == ws.size(), "as many inputs as weights");
+  std::vector<Bf16Product> jobs;
+  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], ws[g]);
+  return parallel_tiles(jobs);
+}
+
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) { return bf16_linear_group({x}, {w})[0]; }
 #endif
 
 // ---------------------------------------------------------------------------------------------- FP8
@@ -762,11 +832,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp4_linear", &fp4_linear, "x [R, K] fp32 (or bf16) @ NVFP4 / MXFP4 weight.T -> [R, N] fp32");
   m.def("fp8_linear_group", &fp8_linear_group, "[x_g @ FP8 W_g.T for each g] in one parallel loop");
   m.def("fp4_linear_group", &fp4_linear_group, "[x_g @ NVFP4 / MXFP4 W_g.T for each g] in one parallel loop");
-#if defined(HYBRID_BF16_DOT)
+#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2)
   m.def("bf16_linear", &bf16_linear, "x [R, K] bf16 @ bf16 weight.T -> [R, N] fp32");
   m.def("bf16_linear_group", &bf16_linear_group, "[x_g @ w_g.T for each g] in one parallel loop (bf16 -> fp32)");
 #endif
   m.def("avx512", &avx512, "whether the AVX-512 path was compiled");
   m.def("path", &path, "the path compiled: avx512-bf16, avx512f, avx2-fma or scalar");
+  m.def("bf16_weights", &bf16_weights, "whether bf16_linear was compiled (AVX512_BF16 + VBMI, or AVX2 + FMA)");
   m.def("bf16_inputs", &bf16_inputs, "whether bfloat16 inputs are taken (AVX512_BF16 + VBMI dot products)");
 }
