@@ -20,6 +20,7 @@ MODEL is a checkpoint directory or a hub repo id; without MODEL, `generate`, `se
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
 import os
@@ -44,13 +45,20 @@ def _generate(args) -> int:
     try:
         if rank == 0:
             return _generate_on(args, rank, world)
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
+        with contextlib.redirect_stdout(_Discard()), contextlib.redirect_stderr(_Discard()):
             try:
                 return _generate_on(args, rank, world)
             except ValueError:  # ConfigError and CheckpointError too: the same error rank 0 prints
                 return 2
     finally:
         launch.stop()
+
+
+class _Discard(io.TextIOBase):
+    """A text stream that drops what is written (the stdout and stderr of ranks other than 0)."""
+
+    def write(self, text: str) -> int:
+        return len(text)
 
 
 def _generate_on(args, rank: int, world: int) -> int:
