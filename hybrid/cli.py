@@ -20,6 +20,7 @@ MODEL is a checkpoint directory or a hub repo id; without MODEL, `generate`, `se
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import math
@@ -39,17 +40,18 @@ def _generate(args) -> int:
 
     if not launch.launched():
         return _generate_on(args, 0, 1)
-    import contextlib
-
     rank, world = launch.start(args.threads)
     try:
         if rank == 0:
-            return _generate_on(args, rank, world)
-        with contextlib.redirect_stdout(_Discard()), contextlib.redirect_stderr(_Discard()):
-            try:
-                return _generate_on(args, rank, world)
-            except ValueError:  # ConfigError and CheckpointError too: the same error rank 0 prints
-                return 2
+            status = _generate_on(args, rank, world)
+        else:
+            with contextlib.redirect_stdout(_Discard()), contextlib.redirect_stderr(_Discard()):
+                try:
+                    status = _generate_on(args, rank, world)
+                except ValueError:  # ConfigError and CheckpointError too: the same error rank 0 prints
+                    status = 2
+        launch.finish()
+        return status
     finally:
         launch.stop()
 
@@ -607,7 +609,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the `hybrid` command; returns the exit status: 0, 1 (writing stdout failed: one `error:` line),
     2 (a usage, config, checkpoint or value error: one `error:` line) or 141 (stdout was closed, as by
     `| head`: quietly, like a command killed by SIGPIPE). Warnings print as one `note:` line each."""
-    args = build_parser().parse_args(argv)
+    from hybrid.parallel import launch
+
+    if launch.launched() and os.environ.get("RANK", "0") != "0":  # a usage error: printed by rank 0 alone
+        with contextlib.redirect_stderr(_Discard()), contextlib.redirect_stdout(_Discard()):
+            args = build_parser().parse_args(argv)
+    else:
+        args = build_parser().parse_args(argv)
     from hybrid.checkpoint_files import CheckpointError
     from hybrid.config import ConfigError
 

@@ -141,8 +141,20 @@ def test_rank_parts_cover_every_tensor():
 def test_sizes_that_do_not_split_are_refused(overrides, world, field):
     config = HybridConfig(hybrid_override_pattern="M*E", **{**dict(num_attention_heads=8, num_key_value_heads=2,
                                                                   mamba_num_heads=8, n_groups=2), **overrides})
-    with pytest.raises(ConfigError, match=rf"tensor_parallel={world}: `{field}` \("):
+    with pytest.raises(ConfigError, match=rf"^tensor_parallel={world}: .*`{field}` \(") as e:
         ShardPlan(config, 0, world)
+    fits = [n for n in range(1, 9) if not ShardPlan._problems(config, set("M*E"), n)]
+    assert f"(this config splits over {', '.join(map(str, fits))} ranks)" in str(e.value) and world not in fits
+
+
+def test_every_field_that_does_not_split_is_named():
+    config = HybridConfig(hybrid_override_pattern="M*E", num_attention_heads=4, num_key_value_heads=2,
+                          mamba_num_heads=8, n_groups=2, n_routed_experts=8)
+    with pytest.raises(ConfigError) as e:
+        ShardPlan(config, 0, 3)
+    for field in ("num_attention_heads", "num_key_value_heads", "mamba_num_heads", "n_groups", "n_routed_experts"):
+        assert f"`{field}`" in str(e.value)
+    assert str(e.value).endswith("(this config splits over 1, 2, 4 ranks)")
 
 
 def test_quantized_checkpoint_is_refused(checkpoint, tmp_path):
@@ -155,7 +167,8 @@ def test_quantized_checkpoint_is_refused(checkpoint, tmp_path):
 
 
 def test_world_size_mismatch_is_refused():
-    with pytest.raises(ValueError, match="tensor_parallel=2, but no torch.distributed process group"):
+    with pytest.raises(ValueError, match="tensor_parallel=2 needs a torch.distributed process group of 2 ranks, and "
+                       "none is initialised"):
         rank_plan(HybridConfig(), 2)
     with pytest.raises(ValueError, match="positive integer"):
         rank_plan(HybridConfig(), 0)

@@ -37,11 +37,13 @@ def rank_plan(config: HybridConfig, tensor_parallel: int | None) -> tuple[ShardP
         raise ValueError(f"tensor_parallel must be a positive integer, got {tensor_parallel!r}")
     initialised = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialised else 1
+    if tensor_parallel != world and not initialised:
+        raise ValueError(f"tensor_parallel={tensor_parallel} needs a torch.distributed process group of "
+                         f"{tensor_parallel} ranks, and none is initialised (start the ranks with torchrun and call "
+                         "torch.distributed.init_process_group first)")
     if tensor_parallel != world:
-        where = (f"the process group has {world} rank(s)" if initialised else
-                 "no torch.distributed process group is initialised (start the ranks with torchrun and call "
-                 "torch.distributed.init_process_group)")
-        raise ValueError(f"tensor_parallel={tensor_parallel}, but {where}; they must be equal")
+        raise ValueError(f"tensor_parallel={tensor_parallel}, but the process group has {world} rank(s); "
+                         "they must be equal")
     if world == 1:
         return None
     comm = Collectives()

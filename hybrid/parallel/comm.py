@@ -50,7 +50,12 @@ class Collectives:
         self.traffic = Traffic()
 
     def reset(self) -> None:
+        """Start counting afresh (`traffic` counts every collective since the load or the last reset)."""
         self.traffic = Traffic()
+
+    def sent_bytes(self) -> float:
+        """What a ring algorithm sends from this rank for the collectives counted (`Traffic.sent_bytes`)."""
+        return self.traffic.sent_bytes(self.world)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks, in place; returns it."""

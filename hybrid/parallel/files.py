@@ -5,7 +5,8 @@ strict loading rules stay one piece of code: a tensor's `shape` is the rank's pa
 part of the memory map (a view where the part is one contiguous row range; a copy of the ranges otherwise),
 and the routed experts of other ranks are not there at all (rank r sees `experts.{e0 + j}` as `experts.{j}`).
 Every file tensor is first checked against the full model's shape (a file with the wrong shape is refused, not
-sliced). `read_bytes` counts the bytes of the file tensors' parts this rank took.
+sliced). `read_bytes` counts the bytes of the file tensors' parts this rank took, in the files' dtypes (a bf16
+checkpoint loaded as fp32 reads half the bytes it holds).
 """
 
 from __future__ import annotations

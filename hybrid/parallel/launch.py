@@ -39,6 +39,12 @@ def start(threads: int | None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def finish() -> None:
+    """After a rank's command returned (not raised): wait for every rank, so that rank 0 has printed before any
+    rank exits (torchrun stops the others as soon as one exits with an error)."""
+    dist.barrier()
+
+
 def stop() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -58,8 +64,8 @@ def broadcast_text(text: str | None) -> str:
 
 
 def agree(error: str | None) -> str | None:
-    """Every rank's error of the step just done (None where it succeeded) -> the first one, as
-    "rank R: message", on every rank; None when all succeeded."""
+    """Every rank's error of the step just done (None where it succeeded) -> on every rank, the message alone
+    when every rank had the same one, else the first one as "rank R: message"; None when all succeeded."""
     mine = torch.frombuffer(bytearray((error or "").encode("utf-8")), dtype=torch.uint8) if error \
         else torch.empty(0, dtype=torch.uint8)
     world = dist.get_world_size()
@@ -72,7 +78,9 @@ def agree(error: str | None) -> str | None:
     padded[: mine.numel()] = mine
     parts = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(parts, padded)
-    for rank, (size, part) in enumerate(zip(sizes, parts)):
-        if int(size):
-            return f"rank {rank}: " + bytes(part[: int(size)].tolist()).decode("utf-8", errors="replace")
-    return None
+    errors = {rank: bytes(part[: int(size)].tolist()).decode("utf-8", errors="replace")
+              for rank, (size, part) in enumerate(zip(sizes, parts)) if int(size)}
+    first = min(errors)
+    if len(errors) == world and len(set(errors.values())) == 1:
+        return errors[first]
+    return f"rank {first}: {errors[first]}"

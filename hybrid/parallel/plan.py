@@ -70,8 +70,9 @@ class ShardPlan:
         local_config: the config of this rank's modules and caches (heads, groups and widths per rank; the
             vocabulary and `n_routed_experts` stay global: the router scores every expert).
     Raises:
-        ConfigError: sizes that do not split `world` ways, naming the fields and the rule (query heads, Mamba
-            heads and routed experts must be multiples of N; KV heads and n_groups multiples or divisors of N).
+        ConfigError: sizes that do not split `world` ways, naming every field that does not and its rule (query
+            heads, Mamba heads and routed experts must be multiples of N; KV heads and n_groups multiples or
+            divisors of N), and the numbers of ranks (up to 64) that would split.
     """
 
     def __init__(self, config: HybridConfig, rank: int, world: int):
@@ -105,11 +106,22 @@ class ShardPlan:
             intermediate_size=_n(self.mlp), moe_shared_expert_intermediate_size=_n(self.shared),
         )
 
+    @classmethod
+    def _check(cls, config: HybridConfig, kinds: set[str], N: int) -> None:
+        problems = cls._problems(config, kinds, N)
+        if problems:
+            fits = [n for n in range(1, 65) if not cls._problems(config, kinds, n)]
+            raise ConfigError(f"tensor_parallel={N}: " + "; ".join(problems)
+                              + f" (this config splits over {', '.join(map(str, fits))} ranks)")
+
     @staticmethod
-    def _check(config: HybridConfig, kinds: set[str], N: int) -> None:
+    def _problems(config: HybridConfig, kinds: set[str], N: int) -> list[str]:
+        """What stops `config` from splitting N ways (empty: it splits)."""
+        problems = []
+
         def need(ok: bool, message: str) -> None:
             if not ok:
-                raise ConfigError(f"tensor_parallel={N}: {message}")
+                problems.append(message)
 
         if ATTENTION in kinds:
             nq, nkv = config.num_attention_heads, config.num_key_value_heads
@@ -125,6 +137,7 @@ class ShardPlan:
             E = config.n_routed_experts
             need(E % N == 0, f"`n_routed_experts` ({E}) is not a multiple of {N}: each rank holds E / N experts")
         need(config.vocab_size >= N, f"`vocab_size` ({config.vocab_size}) is smaller than the number of ranks")
+        return problems
 
     # ------------------------------------------------------------------------------------------ shards
     def shard(self, name: str, kind: str | None) -> Shard:
