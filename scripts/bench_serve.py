@@ -465,9 +465,10 @@ def run_long_prompt(server: ServerProcess, model: str, prompts: Prompts, indices
             done.set()  # the streams disconnect at their next event (the server aborts them)
             results = await asyncio.gather(*streams)
             await client.close()
-        if long.error or not long.events:
-            raise RuntimeError(f"the long prompt failed: {long.error}")
-        end = long.events[0]
+        if long.error or not (long.events or long.finish_reason):
+            raise RuntimeError(f"the long prompt failed: {long.error or 'no token came back'}")
+        # its first token; its two tokens may decode to no text yet: then the stream's end, one step later
+        end = long.events[0] if long.events else long.end
         gaps = [b - a for r in results for a, b in zip(r.events, r.events[1:]) if arrival < b <= end]
         cut = sum(r.finish_reason is not None for r in results)
         if cut:
