@@ -80,12 +80,6 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant: QuantConfig | None
             active += n
             active_bytes += b
     item = torch.empty((), dtype=dtype).element_size()
-    ssm_item = torch_dtype(config.mamba_ssm_cache_dtype).itemsize
-    n_attn = len(config.layer_indices(ATTENTION))
-    n_mamba = len(config.layer_indices(MAMBA))
-    kv_per_token = n_attn * 2 * config.num_key_value_heads * config.head_dim * item
-    conv_bytes = config.conv_dim * (config.conv_kernel - 1) * item
-    ssm_bytes = config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * ssm_item
     return {
         "pattern": config.hybrid_override_pattern,
         "layers": {_KIND_NAMES[k]: config.hybrid_override_pattern.count(k) for k in LAYER_CHARS},
@@ -101,10 +95,60 @@ def describe(config: HybridConfig, dtype: torch.dtype, quant: QuantConfig | None
         "quantization": None if quant is None else {"method": quant.method, "source": quant.source,
                                                     "formats": sorted(quant.labels()), "kv_cache": quant.kv_cache},
         "weight_bytes": sum(nbytes.values()),
-        "kv_cache_bytes_per_token": kv_per_token,
-        "mamba_state_bytes_per_sequence": n_mamba * (conv_bytes + ssm_bytes),
+        "kv_cache_bytes_per_token": _kv_per_token(config, item),
+        "mamba_state_bytes_per_sequence": _mamba_state(config, item),
         "mtp": {"layers": config.mtp_pattern, "parameters": mtp} if config.num_nextn_predict_layers else None,
     }
+
+
+def describe_ranks(config: HybridConfig, dtype: torch.dtype, world: int, quant: QuantConfig | None = None) -> dict:
+    """What each of `world` tensor-parallel ranks holds (`hybrid.parallel`), from the config alone: per rank,
+    its weight bytes (the rank's modules built on meta, packed as `quant` says; the MTP block included), KV
+    cache bytes per token and Mamba state bytes per sequence; and the collectives of one decoded token (calls
+    and payload bytes per rank by kind, `ShardPlan.traffic`) with what a ring sends from each rank.
+
+    Raises:
+        ConfigError: the config does not split `world` ways (`ShardPlan`, naming the fields).
+        ValueError: `quant` cannot apply to this config.
+    """
+    from hybrid.loading import build_rank_model
+    from hybrid.parallel import ShardPlan, ring_bytes
+
+    full = build_model(config, dtype, device="meta")
+    if quant is not None:
+        quantize_modules(full, quant)
+    item = torch.empty((), dtype=dtype).element_size()
+    ranks, plan = [], None
+    for rank in range(world):
+        plan = ShardPlan(config, rank, world, quant)
+        model, _, subsets = build_rank_model(full, plan, quant)
+        tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+        local = plan.local_config
+        ranks.append({
+            "rank": rank,
+            "weight_bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
+            "kv_cache_bytes_per_token": _kv_per_token(local, item),
+            "mamba_state_bytes_per_sequence": _mamba_state(local, item),
+            "experts_per_moe_layer": plan.experts[1] - plan.experts[0],
+            "vocab_rows": plan.vocab[1] - plan.vocab[0],
+            "packed_modules_with_extra_rows": len(subsets),
+        })
+    traffic = plan.traffic(tokens=1, dtype_bytes=item)
+    return {"tensor_parallel": world, "dtype": dtype_name(dtype), "ranks": ranks,
+            "collectives_per_token": traffic,
+            "ring_bytes_sent_per_token": round(ring_bytes(traffic["payload"]["all_reduce"],
+                                                          traffic["payload"]["all_gather"], world))}
+
+
+def _kv_per_token(config: HybridConfig, item: int) -> int:
+    return len(config.layer_indices(ATTENTION)) * 2 * config.num_key_value_heads * config.head_dim * item
+
+
+def _mamba_state(config: HybridConfig, item: int) -> int:
+    conv = config.conv_dim * (config.conv_kernel - 1) * item
+    ssm = config.mamba_num_heads * config.mamba_head_dim * config.ssm_state_size * \
+        torch_dtype(config.mamba_ssm_cache_dtype).itemsize
+    return len(config.layer_indices(MAMBA)) * (conv + ssm)
 
 
 def resident_bytes(model) -> int:

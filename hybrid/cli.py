@@ -9,7 +9,7 @@ the terminal, `info` about a checkpoint or config, `quantize`.
                  [--max-queue Q] [--no-prefix-cache] [--prefix-cache-file FILE] [--api-key KEY]
     hybrid chat [MODEL] [--system TEXT] [--max-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S]
                 [--no-thinking | --hide-thinking] [--max-model-len L] [--memory SIZE] [--prefix-cache-file FILE]
-    hybrid info [MODEL] [--format fp8|nvfp4|mxfp4] [--json]
+    hybrid info [MODEL] [--format fp8|nvfp4|mxfp4] [--tensor-parallel N] [--json]
     hybrid quantize SRC DST --format fp8|nvfp4|mxfp4 [--exclude PATTERN ...] [--calibration-samples N]
     (--format: also any format registered in `moe.quant.formats`)
 
@@ -85,11 +85,9 @@ def _generate_on(args, rank: int, world: int) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    if world > 1 and (args.speculative or args.prefix_cache):
-        print(f"error: {'--speculative' if args.speculative else '--prefix-cache'} is not supported under "
-              "torchrun yet (tensor parallelism runs plain generation)", file=sys.stderr)
-        return 2
     greedy = args.temperature < SAMPLING_EPS
+    if world > 1 and not greedy and args.seed is None:  # every rank draws from the same generator
+        args.seed = launch.shared_seed()
     if greedy and (args.top_k is not None or args.top_p is not None or args.seed is not None):
         print(f"note: --top-k, --top-p and --seed only matter with --temperature > 0 (at least {SAMPLING_EPS:g}); "
               "decoding greedily", file=sys.stderr)
@@ -98,13 +96,21 @@ def _generate_on(args, rank: int, world: int) -> int:
     if args.speculative and args.prefix_cache:
         print("error: --speculative and --prefix-cache cannot be combined", file=sys.stderr)
         return 2
-    if args.prefix_cache:  # before any work: the file must be writable (it is rewritten at the end)
+    # --prefix-cache FILE: under torchrun each rank keeps its own states in its own file (`launch.rank_file`)
+    prefix_path = launch.rank_file(args.prefix_cache, rank, world) if args.prefix_cache and world > 1 \
+        else args.prefix_cache
+    if prefix_path:  # before any work: the file must be writable (it is rewritten at the end)
         from hybrid.atomic import check_writable
 
+        problem = None
         try:
-            check_writable(args.prefix_cache)
+            check_writable(prefix_path)
         except OSError as e:
-            print(f"error: --prefix-cache: {e}", file=sys.stderr)
+            problem = f"--prefix-cache: {e}"
+        if world > 1:
+            problem = launch.agree(problem)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
             return 2
     with warnings.catch_warnings(record=True) as notes:  # load-time notes (e.g. tokens past the vocabulary)
         warnings.simplefilter("always")
@@ -128,16 +134,23 @@ def _generate_on(args, rank: int, world: int) -> int:
               file=sys.stderr)
         return 2
     prefix_cache, save_prefix_cache = None, True
-    if args.prefix_cache:
+    if prefix_path:
         from hybrid.prefix_cache import PrefixCache
 
         prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
-        if Path(args.prefix_cache).exists():
+        absent = "its file does not exist yet"  # the same words on every rank: `agree` finds them equal
+        problem = None if Path(prefix_path).exists() else absent
+        if problem is None:
             try:
-                prefix_cache.load(args.prefix_cache)
+                prefix_cache.load(prefix_path)
             except ValueError as e:  # another model's or block size's file: use it neither way, keep it intact
-                print(f"note: not using the prefix cache (left unchanged): {e}", file=sys.stderr)
-                save_prefix_cache = False
+                problem = str(e)
+        if world > 1:  # the ranks resume from the same prefixes, or none does
+            problem = launch.agree(problem)
+        if problem and problem != absent:
+            print(f"note: not using the prefix cache (left unchanged): {problem}", file=sys.stderr)
+            prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
+            save_prefix_cache = False
 
     def stream(row: int, text: str) -> None:
         sys.stdout.write(text)
@@ -149,7 +162,7 @@ def _generate_on(args, rank: int, world: int) -> int:
                     on_text=None if args.json else stream, speculative=args.speculative,
                     prefix_cache=prefix_cache, **chat_kwargs)
     if prefix_cache is not None and save_prefix_cache:
-        prefix_cache.save(args.prefix_cache)
+        prefix_cache.save(prefix_path)
     summary = {
         "prompt_tokens": c.prompt_tokens, "generated_tokens": len(c.token_ids), "finish_reason": c.finish_reason,
         "prefill_seconds": round(c.prefill_seconds, 4), "prefill_tokens_per_s": round(c.prefill_tokens_per_s, 2),
@@ -267,6 +280,10 @@ def _info(args) -> int:
         capacity = plan_capacity(config, dtype, args.memory, quant, max_model_len=args.max_model_len,
                                  max_num_seqs=args.max_num_seqs, block_size=args.block_size)
         report["capacity"] = capacity.to_dict()
+    if args.tensor_parallel is not None:
+        from hybrid.accounting import describe_ranks
+
+        report["tensor_parallel"] = describe_ranks(config, dtype, args.tensor_parallel, quant)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -288,7 +305,33 @@ def _info(args) -> int:
         print(f"MTP            layers {report['mtp']['layers']!r}, {report['mtp']['parameters']:,} parameters")
     if capacity is not None:
         _print_capacity(capacity)
+    if args.tensor_parallel is not None:
+        _print_ranks(report["tensor_parallel"])
     return 0
+
+
+def _print_ranks(tp: dict) -> None:
+    """One line per group of ranks that hold the same sizes, then the collectives per token."""
+    groups: dict[tuple, list[int]] = {}
+    for r in tp["ranks"]:
+        groups.setdefault(tuple(v for k, v in r.items() if k != "rank"), []).append(r["rank"])
+    keys = [k for k in tp["ranks"][0] if k != "rank"]
+    for i, (values, ranks) in enumerate(groups.items()):
+        r = dict(zip(keys, values))
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else \
+            (f"ranks {ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else f"ranks {ranks}")
+        extra = f", {r['packed_modules_with_extra_rows']} packed modules with whole blocks beyond their rows" \
+            if r["packed_modules_with_extra_rows"] else ""
+        print(f"{'per rank' if i == 0 else '':<15}{who} of {tp['tensor_parallel']}: weights "
+              f"{r['weight_bytes'] / 2**30:.2f} GiB ({r['weight_bytes']:,} bytes), KV cache "
+              f"{r['kv_cache_bytes_per_token']:,} bytes per token, Mamba state "
+              f"{r['mamba_state_bytes_per_sequence'] / 2**20:.1f} MiB per sequence; {r['experts_per_moe_layer']} "
+              f"experts per MoE layer, {r['vocab_rows']:,} vocabulary rows{extra}")
+    c = tp["collectives_per_token"]
+    print(f"collectives    per decoded token and rank: {c['calls']['all_reduce']} all-reduces "
+          f"({c['payload']['all_reduce']:,} bytes in all), {c['calls']['all_gather']} all-gather "
+          f"({c['payload']['all_gather']:,} bytes of logits); a ring sends {tp['ring_bytes_sent_per_token']:,} "
+          "bytes from each rank")
 
 
 def _print_capacity(c) -> None:
@@ -468,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="draft N tokens per step with the checkpoint's MTP block and verify them (same output); "
                         "0 (the default): off")
     g.add_argument("--prefix-cache", default=None, metavar="FILE",
-                   help="safetensors file of cached prefix states: reused when it matches the model, then updated")
+                   help="safetensors file of cached prefix states: reused when it matches the model, then updated "
+                        "(under torchrun each rank's own FILE.rank{R}-of-{N})")
     g.add_argument("--prefix-snapshot-interval", "--prefix-block-size", type=_snapshot_interval, default=256,
                    metavar="N", dest="prefix_snapshot_interval",
                    help="prompt tokens between the prefix cache's Mamba snapshots (hits fall on them and on earlier "
@@ -535,6 +579,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --memory: the longest sequence a slot must reach (default: the config's)")
     i.add_argument("--max-num-seqs", type=_positive_int, default=256, help="with --memory: at most this many slots")
     i.add_argument("--block-size", type=_positive_int, default=16, help="with --memory: tokens per KV block")
+    i.add_argument("--tensor-parallel", type=_positive_int, default=None, metavar="N",
+                   help="also what each of N tensor-parallel ranks holds (weights, KV cache, Mamba state) and the "
+                        "collectives per decoded token")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=_info)
 

@@ -16,7 +16,7 @@ import torch
 from hybrid.batch import check_max_new_tokens, check_prompts, left_pad
 from hybrid.cache import RESERVE_AHEAD
 from hybrid.model import HybridForCausalLM
-from hybrid.sampling import Completion, Sampling, SamplingParams, for_call, sample
+from hybrid.sampling import Completion, Sampling, SamplingParams, check_rank_draws, for_call, sample
 from hybrid.speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
@@ -77,12 +77,14 @@ def generate_ids(
         ValueError: prompts not a non-empty list of non-empty lists of Python ints (a bool, float or string
             id, named by row and position; see `hybrid.batch.check_prompts`), max_new_tokens not an integer
             >= 1, `sampling` not a `SamplingParams` or a list of B of them, a prompt id outside the model's
-            vocabulary [0, config.vocab_size) (named with its row and position in the padded batch), or a
-            prefix_cache made for another model.
+            vocabulary [0, config.vocab_size) (named with its row and position in the padded batch), a
+            prefix_cache made for another model, or, on a tensor-parallel rank, a sampled row without a seed
+            (`hybrid.sampling.check_rank_draws`).
     """
     check_prompts(prompts, model.config.vocab_size)
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     sampling = for_call(sampling, len(prompts))  # checked; seeded generators start from their seeds
+    check_rank_draws(sampling, model.parallel is not None)
     device = model.device
     batch = left_pad(prompts, pad_id, device)
     ids, mask = batch.ids, batch.mask

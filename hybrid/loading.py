@@ -34,13 +34,15 @@ from hybrid.config import MAMBA, ConfigError, HybridConfig
 from hybrid.dtypes import torch_dtype
 from hybrid.model import HybridForCausalLM
 from hybrid import parallel
-from hybrid.parallel.files import ShardedFiles, full_shapes
+from hybrid.parallel.files import ShardedFiles, full_shapes, packed_names
 from hybrid.parallel.modules import attach_collectives, make_rank_model
+from hybrid.parallel.packed import RowSubset, narrow_outputs, packed_shards
+from hybrid.parallel.plan import Shard, ShardPlan
 from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
 from moe.experts import PrepackedExpertBank
 from hybrid.ops import cpu as mamba_kernels
 from moe.prepack import prepackable
-from moe.quant import PackedExperts, PackedWeight, PrepackedLinear, QuantFormat, swap_modules
+from moe.quant import PackedExperts, PackedWeight, PrepackedLinear, QuantFormat, QuantLinear, swap_modules
 from moe.quant.config import QuantConfig
 from moe.quant.kernels import bf16
 
@@ -114,37 +116,36 @@ def load_model(
             meanwhile), at the cost of the copy at load.
         tensor_parallel: N > 1: this process's shard of the model over the N ranks of the initialised
             torch.distributed process group (`hybrid.parallel`): it reads only its parts of the files, and its
-            forward gives the full model's logits. bf16 / fp16 / fp32 checkpoints only, for now.
+            forward gives the full model's logits. Packed (FP8, NVFP4, MXFP4) weights are cut at whole scale
+            blocks (`hybrid.parallel.packed`).
     Raises:
         ConfigError: config.json unreadable or invalid (names the file and field).
         CheckpointError: missing shard, missing / unused tensor, shape mismatch, pickled weights, an
             unknown quantization method, or quantized tensors that do not match the declared format
             (names the file, tensor, module and format).
-        ValueError: `tensor_parallel` differs from the process group's size, or is set for a quantized
-            checkpoint; ConfigError: sizes that do not split `tensor_parallel` ways.
+        ValueError: `tensor_parallel` differs from the process group's size. ConfigError: sizes that do not
+            split `tensor_parallel` ways, packed weights included (a rank's input columns of a packed
+            row-parallel weight that cut a scale block; names the module and format).
     """
     directory = resolve_checkpoint(path_or_repo, revision)
     config = HybridConfig.from_file(directory / "config.json")
     quant = read_quant_config(directory, config)
-    sharded = parallel.rank_plan(config, tensor_parallel)
-    if sharded is not None and quant is not None:
-        raise ValueError(f"{directory}: tensor_parallel={tensor_parallel} with a quantized checkpoint "
-                         f"({quant.source}) is not supported yet; load a bf16 / fp16 / fp32 checkpoint")
+    sharded = parallel.rank_plan(config, tensor_parallel, quant)
     model = build_model(config, parse_dtype(dtype, config))
     files = CheckpointFiles(directory)
+    if quant is not None:
+        _quantize(model, quant, act_quant)
     if sharded is not None:
         plan, comm = sharded
-        files = ShardedFiles(files, plan, full_shapes(model))
-        model = make_rank_model(build_model(plan.local_config, model.dtype), config, plan)
+        full = model
+        model, shards, subsets = build_rank_model(full, plan, quant, act_quant)
+        files = ShardedFiles(files, plan, full_shapes(full), shards, packed_names(full))
     if quant is not None:
-        try:
-            quantize_modules(model, quant, act_quant=act_quant)
-        except ValueError as e:
-            raise CheckpointError(f"quantized checkpoint: {e}") from None
         register_kv_scales(model, quant, files)
     prepack = prepack and model.dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16.available()
     load_weights(model, files, device, prepack=prepack, progress=progress, mmap=mmap)
     if sharded is not None:
+        narrow_outputs(model, subsets)
         attach_collectives(model, plan, comm)
         model.parallel.read_bytes = files.read_bytes
     del files  # unmaps the checkpoint
@@ -152,6 +153,41 @@ def load_model(
     if torch.device(device).type == "cpu" and MAMBA in config.hybrid_override_pattern:
         mamba_kernels.module()  # the fused decode step, built now (once per source, torch and CPU), not in a step
     return model.eval()
+
+
+def _quantize(model: HybridForCausalLM, quant: QuantConfig, act_quant: bool) -> None:
+    try:
+        quantize_modules(model, quant, act_quant=act_quant)
+    except ValueError as e:
+        raise CheckpointError(f"quantized checkpoint: {e}") from None
+
+
+def build_rank_model(full: HybridForCausalLM, plan: ShardPlan, quant: QuantConfig | None = None,
+                     act_quant: bool = False) -> tuple[HybridForCausalLM, dict[str, Shard], dict[str, RowSubset]]:
+    """Rank `plan.rank`'s model on meta, from the full model on meta (`build_model`, then `quantize_modules`
+    with `quant`): (the rank model, uninitialised, for the loader; the Shard of each tensor of its packed
+    modules; the packed modules whose rank holds extra rows, `hybrid.parallel.packed`).
+
+    Raises:
+        ConfigError: a packed column split that cuts a scale block (`ShardPlan` refuses such configs first).
+        CheckpointError: `quant` does not apply to the rank's modules.
+    """
+    try:
+        shards, subsets = packed_shards(full, plan)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    model = make_rank_model(build_model(plan.local_config, full.dtype), full.config, plan)
+    if quant is not None:
+        _quantize(model, quant, act_quant)
+        swap_modules(model, lambda name, m: _held_rows(m, subsets[name]) if name in subsets else None)
+    return model, shards, subsets
+
+
+def _held_rows(module: QuantLinear, subset: RowSubset) -> QuantLinear:
+    """`module` (a rank's column-parallel packed linear, on meta) holding the rows `subset` names instead."""
+    bias = module.bias
+    return QuantLinear(module.fmt, module.in_features, subset.rows, bias is not None,
+                       bias.dtype if bias is not None else torch.bfloat16, module.act_quant, "meta")
 
 
 def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str | torch.device = "cpu",

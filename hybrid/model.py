@@ -167,12 +167,14 @@ class HybridForCausalLM(nn.Module):
     @property
     def identity(self) -> str:
         """A hex digest naming this model's numbers (`hybrid.fingerprint`): config, dtype, quantization,
-        act_quant and every byte of every weight. The weights' part is taken on first use from the current
+        act_quant, the rank and world size of a tensor-parallel shard, and every byte of every weight. The weights' part is taken on first use from the current
         tensors (reading all of them once) and kept; `load_state_dict`, `cast` and quantization forget it, and
         after editing weights in place call `reset_identity`."""
         if self._weights_digest is None:
             self._weights_digest = fingerprint.weights_digest(self.weight_pieces())
         config = dataclasses.replace(self.config, quantization_config=None).to_dict()  # the quantization: below
+        if self.parallel is not None:  # a rank's shard: its caches and files are its own
+            config["tensor_parallel"] = {"rank": self.parallel.rank, "world": self.parallel.world}
         quant = None if self.quantization is None else self.quantization.files
         return fingerprint.identity(config, self.dtype, quant, self.act_quant, self._weights_digest)
 

@@ -120,6 +120,25 @@ def for_call(params: Sampling | None, rows: int) -> Sampling:
     return [p.fresh() for p in rows_params]
 
 
+def check_rank_draws(params: Sampling, sharded: bool) -> None:
+    """Under tensor parallelism (`sharded`) every rank draws its own tokens: the logits are all-gathered, the
+    same bytes on every rank, so the same generator draws the same token everywhere with no message per token
+    (rank 0 sampling and broadcasting would cost one round trip per token, the latency a multi-host run can least
+    afford). That holds only if every rank's generator starts from the same seed: a sampled row without one is
+    refused (greedy rows need none).
+
+    Raises:
+        ValueError: a row with temperature > 0 and no seed, when `sharded`.
+    """
+    if not sharded:
+        return
+    rows = list(params) if isinstance(params, (list, tuple)) else [params]
+    if any(p.temperature and p.seed is None for p in rows):
+        raise ValueError("sampling under tensor parallelism needs a seed, the same on every rank (each rank draws "
+                         "from the same all-gathered logits with its own generator); pass seed=..., or sample "
+                         "greedily (temperature 0)")
+
+
 def filtered_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
     """The distribution tokens are drawn from: softmax(logits / temperature) restricted to the top-k tokens
     and to the smallest top-p prefix, renormalised. logits [B, V] -> probs [B, V] fp32; greedy (temperature

@@ -33,7 +33,7 @@ import torch
 from hybrid.cache import RESERVE_AHEAD
 from hybrid.config import MAMBA
 from hybrid.model import HybridForCausalLM
-from hybrid.sampling import Completion, SamplingParams, filtered_probs, sample
+from hybrid.sampling import Completion, SamplingParams, check_rank_draws, filtered_probs, sample
 
 
 @dataclass
@@ -90,8 +90,9 @@ def speculative_generate_ids(
     drafter: replaces the MTP block, for tests: `drafter(position, tokens_so_far) -> (token, probs [V])`.
     Returns the `Completion` (as `hybrid.generate.generate_ids` gives it) and the draft statistics.
     Raises:
-        ValueError: a tensor or empty prompt (a list of ids is expected), num_draft < 1, a model without an MTP block and no drafter, or an MTP
-            block with Mamba layers (published ones are `*E`; their draft positions could not be dropped).
+        ValueError: a tensor or empty prompt (a list of ids is expected), num_draft < 1, a model without an MTP block and no drafter, an MTP
+            block with Mamba layers (published ones are `*E`; their draft positions could not be dropped), or
+            on a tensor-parallel rank sampling without a seed (`hybrid.sampling.check_rank_draws`).
     """
     if isinstance(prompt, torch.Tensor):
         raise ValueError("prompt must be a list of token ids, not a tensor (use prompt.tolist())")
@@ -104,6 +105,7 @@ def speculative_generate_ids(
     if drafter is None and MAMBA in model.config.mtp_pattern:
         raise ValueError(f"MTP blocks with Mamba layers are not supported (mtp pattern {model.config.mtp_pattern!r})")
     sampling = sampling or SamplingParams()
+    check_rank_draws(sampling, model.parallel is not None)
     greedy = not sampling.temperature
     stop = set(stop_ids)
     device = model.device

@@ -114,7 +114,8 @@ def peak_rss_bytes() -> int:
 
 
 # ---------------------------------------------------------------------------------------------- workers
-def _random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    """`n` token ids drawn uniformly from [3, vocab) (past the special ids), reproducibly from `seed`."""
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
@@ -127,7 +128,7 @@ def worker_ours(args) -> dict:
     result = {"engine": "ours", "load_s": time.perf_counter() - start, "prefill": {}, "decode": {}}
     vocab = model.config.vocab_size
     for L in args.lengths:
-        prompt = _random_prompt(L, vocab, L)
+        prompt = random_prompt(L, vocab, L)
         times = [generate_ids(model, [prompt], max_new_tokens=1)[0].prefill_seconds for _ in range(args.repeats)]
         cache = model.new_cache(1, L)
         with torch.inference_mode():
@@ -136,7 +137,7 @@ def worker_ours(args) -> dict:
         result["prefill"][str(L)] = {"ttft_s": statistics.median(times), "tok_s": L / statistics.median(times),
                                      "cache_bytes": cache.nbytes()}
     for B in args.batches:
-        prompts = [_random_prompt(args.decode_prompt, vocab, 100 + b) for b in range(B)]
+        prompts = [random_prompt(args.decode_prompt, vocab, 100 + b) for b in range(B)]
         rates = []
         for _ in range(args.repeats):
             c = generate_ids(model, prompts, max_new_tokens=args.decode_tokens + 1)
@@ -166,11 +167,11 @@ def worker_transformers(args) -> dict:
     for L in args.lengths:
         if L > args.peer_max_prefill:
             continue
-        ids = torch.tensor([_random_prompt(L, vocab, L)])
+        ids = torch.tensor([random_prompt(L, vocab, L)])
         t = statistics.median(timed_generate(ids, 1) for _ in range(args.repeats))
         result["prefill"][str(L)] = {"ttft_s": t, "tok_s": L / t}
     for B in args.batches:
-        ids = torch.tensor([_random_prompt(args.decode_prompt, vocab, 100 + b) for b in range(B)])
+        ids = torch.tensor([random_prompt(args.decode_prompt, vocab, 100 + b) for b in range(B)])
         first = statistics.median(timed_generate(ids, 1) for _ in range(args.repeats))
         total = statistics.median(timed_generate(ids, args.peer_decode_tokens + 1) for _ in range(args.repeats))
         result["decode"][str(B)] = {"tok_s": B * args.peer_decode_tokens / max(total - first, 1e-9)}

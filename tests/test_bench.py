@@ -38,3 +38,27 @@ def test_bench_smoke(tmp_path):
     assert "decode b1 roofline ratio" in done.stdout and "transformers" in done.stdout
     memory = next(t for t in report["targets"] if t["target"] == "(ckpt + 2 GB) / peak RSS")
     assert abs(memory["value"] - (report["checkpoint_bytes"] + 2e9) / ours["peak_rss_bytes"]) <= 1e-3
+
+
+def test_bench_parallel_smoke(tmp_path):
+    """scripts/bench_parallel.py on the tiny preset: N = 1 and 2 run; each rank of 2 holds and reads what
+    `hybrid info --tensor-parallel 2` states for it, and sends per token the ring bytes of the plan's traffic."""
+    from hybrid.accounting import describe_ranks
+    from hybrid.parallel import ring_bytes
+
+    out = tmp_path / "parallel.json"
+    done = subprocess.run([sys.executable, str(SCRIPT.with_name("bench_parallel.py")), "--preset", "tiny",
+                           "--decode-tokens", "4", "--repeats", "1", "--allreduce-calls", "20", "--workdir",
+                           str(tmp_path / "work"), "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    config = HybridConfig.from_file(tmp_path / "work" / "tiny" / "config.json")
+    stated = describe_ranks(config, torch.bfloat16, 2)
+    assert report["one"]["weight_bytes"] == describe(config, torch.bfloat16)["weight_bytes"]
+    for rank in report["two"]:
+        assert rank["weight_bytes"] == rank["read_bytes"] == stated["ranks"][rank["rank"]]["weight_bytes"]
+        payload = rank["traffic"]["payload"]
+        assert rank["traffic"]["sent_bytes"] == ring_bytes(payload["all_reduce"], payload["all_gather"], 2) \
+            == stated["ring_bytes_sent_per_token"]
+        assert rank["allreduce_s"] > 0
+    assert "traffic per token = ShardPlan.traffic: pass" in done.stdout

@@ -29,6 +29,46 @@ def test_modelopt_exclusions_are_wildcards_over_modules_and_ancestors():
     assert qc.format_for("backbone.layers.9.mixer.shared_experts.up_proj").label == "NVFP4"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_exclusions_one_regex_equals_a_wildcard_per_ancestor(seed):
+    """`excluded_by` first asks one compiled regex of every pattern; it must agree with the definition (fnmatch
+    over the module and each ancestor, `re:` from the start) on names and patterns drawn at random from
+    Nemotron module names, including `?`, `[..]`, `*` across dots and patterns recompiled after a change."""
+    import random
+    from fnmatch import fnmatch
+    import re
+
+    rng = random.Random(seed)
+    parts = ["backbone", "layers", "mixer", "experts", "up_proj", "down_proj", "shared_experts", "in_proj", "lm_head",
+             "conv1d", "gate", "mtp", *map(str, range(12))]
+    names = [".".join(rng.choice(parts) for _ in range(rng.randint(1, 6))) for _ in range(400)]
+    names += ["backbone.layers.10.mixer.experts.11.up_proj", "backbone.layers.1.mixer", "lm_head"]
+
+    def pattern():
+        p = rng.choice(names)
+        edits = [lambda q: q.replace(rng.choice(parts), "*", 1), lambda q: q[: rng.randint(0, len(q))] + "*",
+                 lambda q: "*" + q[rng.randint(0, len(q)):], lambda q: q.replace("1", "?"),
+                 lambda q: q.replace("1", "[12]"), lambda q: "re:" + re.escape(q[: rng.randint(1, len(q))]) + ".*",
+                 lambda q: q]
+        return rng.choice(edits)(p)
+
+    def reference(qc, name):
+        for p in qc.exclude:
+            if (re.match(p[3:], name) if p.startswith("re:") else
+                    any(fnmatch(".".join(name.split(".")[:i]), p) for i in range(1, name.count(".") + 2))):
+                return p
+        return None
+
+    qc = QuantConfig.from_modelopt({"quantization": {"quant_algo": "FP8", "exclude_modules": []}}, "x.json")
+    matched = unmatched = 0
+    for _ in range(4):
+        qc.exclude[:] = [pattern() for _ in range(rng.randint(0, 6))]
+        got = [qc.excluded_by(n) for n in names]
+        assert got == [reference(qc, n) for n in names], qc.exclude
+        matched, unmatched = matched + sum(g is not None for g in got), unmatched + got.count(None)
+    assert matched and unmatched  # both sides were drawn
+
+
 def test_mixed_precision_is_per_module():
     qc = QuantConfig.from_modelopt({"quantization": {"quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8",
                                                      "quantized_layers": {

@@ -1,6 +1,7 @@
 """Tensor and expert parallelism over torch.distributed: one model across N processes (`torchrun`).
 
     plan.py     which part of every tensor each rank holds (`ShardPlan`), from the config alone
+    packed.py   the same for each tensor of a packed (FP8, NVFP4, MXFP4) weight, at whole scale blocks
     files.py    the checkpoint as one rank sees it: each tensor cut to its part before it is read
     modules.py  the rank's model: vocabulary-parallel embedding and head, local experts, the collectives
     comm.py     the collectives, each call counted (bytes per token are measured)
@@ -16,13 +17,16 @@ from hybrid.config import HybridConfig
 from hybrid.parallel.comm import Collectives, Traffic, ring_bytes
 from hybrid.parallel.modules import TensorParallel
 from hybrid.parallel.plan import Shard, ShardPlan
+from moe.quant.config import QuantConfig
 
 __all__ = ["Collectives", "Shard", "ShardPlan", "TensorParallel", "Traffic", "ring_bytes", "rank_plan"]
 
 
-def rank_plan(config: HybridConfig, tensor_parallel: int | None) -> tuple[ShardPlan, Collectives] | None:
+def rank_plan(config: HybridConfig, tensor_parallel: int | None,
+              quant: QuantConfig | None = None) -> tuple[ShardPlan, Collectives] | None:
     """This process's (plan, collectives) for `tensor_parallel` ranks, or None for one process
-    (`tensor_parallel` None or 1 without a larger process group).
+    (`tensor_parallel` None or 1 without a larger process group). `quant`: the checkpoint's quantization
+    config (packed weights split at whole scale blocks).
 
     Raises:
         ValueError: `tensor_parallel` below 1, or N > 1 without an initialised process group, or not equal to its
@@ -47,4 +51,4 @@ def rank_plan(config: HybridConfig, tensor_parallel: int | None) -> tuple[ShardP
     if world == 1:
         return None
     comm = Collectives()
-    return ShardPlan(config, comm.rank, comm.world), comm
+    return ShardPlan(config, comm.rank, comm.world, quant), comm

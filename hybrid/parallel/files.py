@@ -16,8 +16,10 @@ import re
 import torch
 
 from hybrid.checkpoint_files import CheckpointError, CheckpointFiles
-from hybrid.parallel.plan import ShardPlan
+from hybrid.parallel.plan import Shard, ShardPlan
+from moe.quant import PackedWeight
 
+_STACK = re.compile(r"^(?P<prefix>.+\.mixer\.experts)\.(?P<proj>up_proj|down_proj)(?P<tensor>\.\w+)?$")
 _EXPERT = re.compile(r"^(?P<prefix>.+\.mixer\.experts)\.(?P<j>\d+)\.(?P<rest>.+)$")
 
 
@@ -26,8 +28,10 @@ class ShardedFiles:
     (`full_shapes`); names it lacks (tensors the model does not use) are shown unsliced, for the loader to
     refuse."""
 
-    def __init__(self, files: CheckpointFiles, plan: ShardPlan, full_shapes: dict[str, tuple[int, ...]]):
+    def __init__(self, files: CheckpointFiles, plan: ShardPlan, full_shapes: dict[str, tuple[int, ...]],
+                 shards: dict[str, Shard] | None = None, packed: frozenset[str] = frozenset()):
         self.files, self.plan, self.full_shapes = files, plan, full_shapes
+        self.shards, self.packed = shards or {}, packed
         self.directory = files.directory
         self.read_bytes = 0
         e0, e1 = plan.experts
@@ -51,12 +55,21 @@ class ShardedFiles:
         return self._file_of_local[name]
 
     def _shard(self, name: str):
+        """(file tensor name, its shape, this rank's Shard or None). A packed tensor stored with other size-1
+        dimensions than the model's (a scalar as [] or [1], ModelOpt's [R, 1, C, 1] block scales) is taken in
+        the model's shape when it is split."""
         source = self._source(name)
         shape, full = tuple(self.files.shape(source)), self.full_shapes.get(source)
-        if full is not None and shape != full:
-            raise CheckpointError(f"{self.files.file_of(source)}: tensor {source!r} has shape {list(shape)}; "
-                                  f"the config expects {list(full)}")
-        return source, shape, self.plan.shard_of(source) if full is not None else None
+        if full is None:
+            return source, shape, None
+        shard = self.shards.get(source) or self.plan.shard_of(source)
+        if shape != full:
+            if source not in self.packed or _squeezed(shape) != _squeezed(full):
+                raise CheckpointError(f"{self.files.file_of(source)}: tensor {source!r} has shape {list(shape)}; "
+                                      f"the config expects {list(full)}")
+            if shard.kind == "split":
+                shape = full
+        return source, shape, shard
 
     def shape(self, name: str) -> tuple[int, ...]:
         _, shape, shard = self._shard(name)
@@ -78,6 +91,8 @@ class ShardedFiles:
         a new tensor (several ranges, or a column range), or zeros (a row-parallel bias off rank 0)."""
         source, shape, shard = self._shard(name)
         full = self.files.view(source)
+        if tuple(full.shape) != shape:
+            full = full.reshape(shape)
         if shard is None or shard.kind == "replicate":
             out = full
         elif shard.kind == "rank0":
@@ -98,12 +113,32 @@ class ShardedFiles:
 
 def full_shapes(model) -> dict[str, tuple[int, ...]]:
     """{checkpoint tensor name: shape} of a full (unsharded) model on meta: its state dict, the stacked expert
-    tensors also under their per-expert names (`...experts.{j}.up_proj.weight`)."""
+    tensors also under their per-expert names (`...experts.{j}.up_proj.weight`, and each tensor of a packed
+    stack: `...experts.{j}.up_proj.weight_scale`)."""
     shapes = {}
     for name, t in model.state_dict(keep_vars=True).items():
         shapes[name] = tuple(t.shape)
-        m = re.match(r"^(?P<prefix>.+\.mixer\.experts)\.(?P<proj>up_proj|down_proj)$", name)
+        m = _STACK.match(name)
         if m:
             for j in range(t.shape[0]):
-                shapes[f"{m['prefix']}.{j}.{m['proj']}.weight"] = tuple(t.shape[1:])
+                shapes[f"{m['prefix']}.{j}.{m['proj']}{m['tensor'] or '.weight'}"] = tuple(t.shape[1:])
     return shapes
+
+
+def packed_names(model) -> frozenset[str]:
+    """The checkpoint names of every tensor of the packed modules of a full model on meta (stacks also under
+    their per-expert names): the tensors `ShardedFiles` takes in the model's shape up to size-1 dimensions."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if isinstance(module, PackedWeight):
+            for tensor, t in module.named_buffers(recurse=False):
+                name = f"{module_name}.{tensor}"
+                names.add(name)
+                m = _STACK.match(name)
+                if m and module.n_experts is not None:
+                    names.update(f"{m['prefix']}.{j}.{m['proj']}{m['tensor']}" for j in range(module.n_experts))
+    return frozenset(names)
+
+
+def _squeezed(shape) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)

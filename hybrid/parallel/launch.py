@@ -84,3 +84,16 @@ def agree(error: str | None) -> str | None:
     if len(errors) == world and len(set(errors.values())) == 1:
         return errors[first]
     return f"rank {first}: {errors[first]}"
+
+
+def shared_seed() -> int:
+    """A random seed drawn by rank 0, the same on every rank (sampled tokens agree across ranks only if their
+    generators do: `hybrid.sampling.check_rank_draws`)."""
+    seed = torch.tensor([int.from_bytes(os.urandom(7), "little") if dist.get_rank() == 0 else 0], dtype=torch.int64)
+    dist.broadcast(seed, 0)
+    return int(seed)
+
+
+def rank_file(path: str, rank: int, world: int) -> str:
+    """Rank `rank`'s own file of a per-rank file `path` (`--prefix-cache`): `path.rank{r}-of-{N}`, beside it."""
+    return f"{path}.rank{rank}-of-{world}"

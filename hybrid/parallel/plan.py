@@ -21,10 +21,12 @@ one checkpoint tensor is cut; `ShardPlan.shard(name)` gives it for every state-d
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 
 from hybrid.config import ATTENTION, MAMBA, MLP, MOE, ConfigError, HybridConfig
+from moe.quant.config import QuantConfig
 
 
 @dataclass(frozen=True)
@@ -53,9 +55,18 @@ RANK0 = Shard("rank0")
 
 def even_range(n: int, world: int, rank: int) -> tuple[int, int]:
     """Rank `rank`'s part of `n` items split in `world` contiguous parts of ceil(n / world) (the last ones
-    shorter, possibly empty): the vocabulary and MLP widths."""
+    shorter, possibly empty): the vocabulary, whose logits are gathered in parts of one size."""
     step = -(-n // world)
     return min(rank * step, n), min((rank + 1) * step, n)
+
+
+def block_range(n: int, world: int, rank: int, unit: int = 1) -> tuple[int, int]:
+    """Rank `rank`'s part of `n` items cut in ceil(n / unit) blocks of `unit` (the last one shorter), the blocks
+    dealt out as evenly as contiguous parts allow (rank r: blocks [r B / N, (r + 1) B / N)): the dense MLP and
+    shared-expert widths, in blocks of the packed weights' scale blocks (`width_units`; 1 when not packed).
+    A rank's part is empty only when there are fewer blocks than ranks (`ShardPlan` refuses that)."""
+    blocks = -(-n // unit)
+    return min(rank * blocks // world * unit, n), min((rank + 1) * blocks // world * unit, n)
 
 
 class ShardPlan:
@@ -69,20 +80,25 @@ class ShardPlan:
         experts: this rank's routed expert range; vocab: its vocabulary row range (`vocab_chunk` rows each).
         local_config: the config of this rank's modules and caches (heads, groups and widths per rank; the
             vocabulary and `n_routed_experts` stay global: the router scores every expert).
+        quant: the checkpoint's quantization config (None: unquantized). Packed weights split at whole scale
+            blocks: the dense MLP and shared-expert widths in whole blocks of their projections (`width_units`,
+            `block_range`), and `o_proj` / `out_proj` only where each rank's input columns are whole blocks.
+            Row splits that cut a block are `hybrid.parallel.packed`'s.
     Raises:
         ConfigError: sizes that do not split `world` ways, naming every field that does not and its rule (query
             heads, Mamba heads and routed experts must be multiples of N; KV heads and n_groups multiples or
-            divisors of N), and the numbers of ranks (up to 64) that would split.
+            divisors of N; each rank's input columns of a packed row-parallel weight whole scale blocks, and a
+            packed MLP width at least N blocks), and the numbers of ranks (up to 64) that would split.
     """
 
-    def __init__(self, config: HybridConfig, rank: int, world: int):
+    def __init__(self, config: HybridConfig, rank: int, world: int, quant: QuantConfig | None = None):
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"tensor_parallel rank {rank} of {world}: expected 0 <= rank < world >= 1")
-        self.config, self.rank, self.world = config, rank, world
+        self.config, self.rank, self.world, self.quant = config, rank, world, quant
         kinds = set(config.hybrid_override_pattern)
         if config.num_nextn_predict_layers:
             kinds |= set(config.mtp_pattern)
-        self._check(config, kinds, world)
+        self._check(config, kinds, world, quant)
         N, r = world, rank
         nq, nkv = config.num_attention_heads, config.num_key_value_heads
         self.heads = (r * nq // N, (r + 1) * nq // N)
@@ -97,8 +113,9 @@ class ShardPlan:
         self.experts = (r * E // N, (r + 1) * E // N)
         self.vocab_chunk = -(-config.vocab_size // N)
         self.vocab = even_range(config.vocab_size, N, r)
-        self.mlp = even_range(config.intermediate_size, N, r)
-        self.shared = even_range(config.moe_shared_expert_intermediate_size, N, r)
+        self.width_units = width_units(config, quant)
+        self.mlp = block_range(config.intermediate_size, N, r, self.width_units["mlp"])
+        self.shared = block_range(config.moe_shared_expert_intermediate_size, N, r, self.width_units["shared"])
         self.local_config = dataclasses.replace(
             config,
             num_attention_heads=_n(self.heads), num_key_value_heads=_n(self.kv_heads),
@@ -107,15 +124,15 @@ class ShardPlan:
         )
 
     @classmethod
-    def _check(cls, config: HybridConfig, kinds: set[str], N: int) -> None:
-        problems = cls._problems(config, kinds, N)
+    def _check(cls, config: HybridConfig, kinds: set[str], N: int, quant: QuantConfig | None = None) -> None:
+        problems = cls._problems(config, kinds, N, quant)
         if problems:
-            fits = [n for n in range(1, 65) if not cls._problems(config, kinds, n)]
+            fits = [n for n in range(1, 65) if not cls._problems(config, kinds, n, quant)]
             raise ConfigError(f"tensor_parallel={N}: " + "; ".join(problems)
                               + f" (this config splits over {', '.join(map(str, fits))} ranks)")
 
     @staticmethod
-    def _problems(config: HybridConfig, kinds: set[str], N: int) -> list[str]:
+    def _problems(config: HybridConfig, kinds: set[str], N: int, quant: QuantConfig | None = None) -> list[str]:
         """What stops `config` from splitting N ways (empty: it splits)."""
         problems = []
 
@@ -137,6 +154,8 @@ class ShardPlan:
             E = config.n_routed_experts
             need(E % N == 0, f"`n_routed_experts` ({E}) is not a multiple of {N}: each rank holds E / N experts")
         need(config.vocab_size >= N, f"`vocab_size` ({config.vocab_size}) is smaller than the number of ranks")
+        if quant is not None and not problems:
+            problems += _packed_problems(config, N, quant)
         return problems
 
     # ------------------------------------------------------------------------------------------ shards
@@ -155,7 +174,7 @@ class ShardPlan:
         if kind == MOE:
             if leaf.startswith("shared_experts."):
                 return self._mlp(leaf.removeprefix("shared_experts."), self.shared)
-            if leaf in ("experts.up_proj", "experts.down_proj"):
+            if leaf.split(".")[:2] in (["experts", "up_proj"], ["experts", "down_proj"]):  # a stack, any tensor
                 return Shard("split", 0, (self.experts,))
             if leaf == "fc2_latent_proj.bias":  # applied to the partial (local experts') sum
                 return RANK0
@@ -219,6 +238,68 @@ class ShardPlan:
 
 
 _LAYER = re.compile(r"^(?P<stack>backbone|mtp)\.layers\.(?P<i>\d+)\.")
+
+
+def _layers(config: HybridConfig):
+    """(module prefix, pattern character) of every layer of the main stack and the MTP block."""
+    for i, kind in enumerate(config.hybrid_override_pattern):
+        yield f"backbone.layers.{i}.mixer", kind
+    if config.num_nextn_predict_layers:
+        for i, kind in enumerate(config.mtp_pattern):
+            yield f"mtp.layers.{i}.mixer", kind
+
+
+def _unit(quant: QuantConfig | None, module: str, axis: int) -> int:
+    """The steps (`QuantFormat.units`) at which packed weight `module` may be cut along its output rows
+    (`axis` 0) or input columns (1): the lcm of its tensors' steps; 1 when it is not packed."""
+    fmt = quant.format_for(module) if quant is not None else None
+    if fmt is None:
+        return 1
+    return math.lcm(*(u[axis] for u in fmt.units().values() if u[axis] is not None))
+
+
+def width_units(config: HybridConfig, quant: QuantConfig | None) -> dict[str, int]:
+    """{"mlp": u, "shared": u}: the blocks each rank's part of the dense MLP / shared-expert width is made of
+    (`block_range`), so that no rank's part cuts a scale block of a packed `up_proj` (rows) or `down_proj`
+    (columns); 1 where nothing is packed."""
+    return {key: math.lcm(1, *(unit for _, unit in units)) for key, units in _width_modules(config, quant).items()}
+
+
+def _width_modules(config: HybridConfig, quant: QuantConfig | None) -> dict[str, list[tuple[str, int]]]:
+    """{"mlp" / "shared": [(module, its step along the width)]} of every up / down projection."""
+    out = {"mlp": [], "shared": []}
+    for prefix, kind in _layers(config):
+        key, mlp = {MLP: ("mlp", prefix), MOE: ("shared", f"{prefix}.shared_experts")}.get(kind, (None, None))
+        if key is not None:
+            out[key] += [(f"{mlp}.up_proj", _unit(quant, f"{mlp}.up_proj", 0)),
+                         (f"{mlp}.down_proj", _unit(quant, f"{mlp}.down_proj", 1))]
+    return out
+
+
+def _packed_problems(config: HybridConfig, N: int, quant: QuantConfig) -> list[str]:
+    """What stops packed weights from splitting N ways: a row-parallel weight (`o_proj`, `out_proj`) whose
+    input columns per rank are not whole scale blocks, a packed MLP width of fewer blocks than ranks."""
+    problems, seen = [], set()
+    per_rank = {ATTENTION: ("o_proj", config.num_attention_heads // N * config.head_dim),
+                MAMBA: ("out_proj", config.mamba_num_heads // N * config.mamba_head_dim)}
+    for prefix, kind in _layers(config):
+        if kind in per_rank:
+            proj, cols = per_rank[kind]
+            unit = _unit(quant, f"{prefix}.{proj}", 1)
+            if cols % unit and (proj, unit) not in seen:
+                seen.add((proj, unit))
+                fmt = quant.format_for(f"{prefix}.{proj}")
+                problems.append(f"`{prefix}.{proj}` ({fmt.label}, scale blocks of {unit} input columns) would get "
+                                f"{cols} input columns per rank, which cuts a scale block")
+    for key, field in (("mlp", "intermediate_size"), ("shared", "moe_shared_expert_intermediate_size")):
+        n, modules = getattr(config, field), _width_modules(config, quant)[key]
+        unit = math.lcm(1, *(u for _, u in modules))
+        if unit > 1 and n and -(-n // unit) < N:
+            module = next(m for m, u in modules if u > 1)
+            problems.append(f"`{field}` ({n}) is {-(-n // unit)} blocks of {unit} (the scale blocks of "
+                            f"`{module}`, {quant.format_for(module).label}), fewer than the ranks: one would "
+                            "hold none of it")
+    return problems
 
 
 def _n(r: tuple[int, int]) -> int:

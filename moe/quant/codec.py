@@ -55,7 +55,8 @@ class Codec:
     """The numbers of one weight format. Subclasses set `name` (and `group` for block formats) and implement
     `specs`, `quantize` and `dequantize` (enough to load and run a checkpoint in the format) and
     `weight_args` (to write one: `hybrid quantize`); `label`, `roles` and `check_shape` have defaults;
-    `input_scale` and `fake_quantize` only formats with static input scales or activation emulation need.
+    `input_scale` and `fake_quantize` only formats with static input scales or activation emulation need;
+    `units` only formats to load under tensor parallelism.
 
     All methods take the `Layout` the tensors are stored in; tensors are passed by role
     (`{"data": ..., "scale": ...}`) and may carry leading (expert) dimensions.
@@ -82,6 +83,14 @@ class Codec:
         if self.group and in_features % self.group:
             return f"in_features {in_features} is not a multiple of the {self.label(layout)} block size {self.group}"
         return None
+
+    def units(self, layout: Layout) -> dict[str, tuple[int | None, int | None]]:
+        """{role: (rows, cols)}: how many rows / columns of the [out, in] weight one step along the role
+        tensor's first / second dimension covers (None: the tensor has no such dimension, one value serves every
+        row / column). A role not named (a global or input scale) is one value for the whole weight. Tensor
+        parallelism (`hybrid.parallel.packed`) cuts a role tensor only at whole steps."""
+        raise NotImplementedError(f"{type(self).__name__} does not say how its tensors split "
+                                  "(implement units to shard it under tensor parallelism)")
 
     # ------------------------------------------------------------------------------------ numbers
     def quantize(self, w: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
@@ -140,6 +149,11 @@ class QuantFormat:
         if self.layout.input_scale:
             specs["input"] = (self.layout.scalar_shape, torch.float32)
         return {self.names[role]: spec for role, spec in specs.items()}
+
+    def units(self) -> dict[str, tuple[int | None, int | None]]:
+        """{tensor name: (rows, cols)} (`Codec.units`), every role named; (None, None) for a scalar."""
+        units = self.codec.units(self.layout)
+        return {self.names[role]: units.get(role, (None, None)) for role in self.roles}
 
     def packed_nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes of every tensor of one [out, in] weight in this format."""

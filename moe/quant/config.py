@@ -25,10 +25,12 @@ names the file and the key; nothing is ever guessed.
 from __future__ import annotations
 
 import json
+import os
 import re
 import reprlib
 from dataclasses import dataclass, field, replace
 from fnmatch import fnmatch
+from fnmatch import translate as fnmatch_translate
 from pathlib import Path
 
 from moe.quant.codec import QuantFormat
@@ -93,6 +95,8 @@ class QuantConfig:
     # ------------------------------------------------------------------------------------ resolving
     def excluded_by(self, name: str) -> str | None:
         """The exclusion pattern that keeps module `name` unquantized, or None."""
+        if not self._exclusions().match(name):
+            return None
         for pattern in self.exclude:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], name):
@@ -100,6 +104,20 @@ class QuantConfig:
             elif any(fnmatch(a, pattern) for a in _ancestors(name)):
                 return pattern
         return None
+
+    def _exclusions(self) -> re.Pattern:
+        """One regex that matches a module name some exclusion pattern matches (a `re:` pattern from the start of
+        the name, a wildcard the name or one of its ancestors: the name up to a dot), so that the common case, a
+        module that is not excluded, takes one match instead of a wildcard per pattern and ancestor (Nemotron 3
+        Super's 40 x 512 experts against its exclusions took 50 s). Compiled again when `exclude` changes."""
+        key = tuple(self.exclude)
+        if self.__dict__.get("_exclusions_key") != key:
+            parts = [f"(?:{p[3:]})" if p.startswith("re:") else
+                     f"(?:{fnmatch_translate(os.path.normcase(p)).removesuffix(chr(92) + 'Z')})(?:\\.|\\Z)"
+                     for p in self.exclude]
+            self.__dict__["_exclusions_re"] = re.compile("|".join(parts) if parts else "(?!)")
+            self.__dict__["_exclusions_key"] = key
+        return self.__dict__["_exclusions_re"]
 
     def format_for(self, name: str, cls: str = "Linear") -> QuantFormat | None:
         """The format of module `name` (a `cls` module: "Linear" for linears and expert projections)."""

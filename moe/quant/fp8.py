@@ -91,6 +91,10 @@ class FP8Codec(Codec):
             scale = (out_features, 1)
         return {"data": ((out_features, in_features), torch.float8_e4m3fn), "scale": (scale, torch.float32)}
 
+    def units(self, layout):
+        scale = {"tensor": (None, None), "channel": (1, None), "block": (layout.block, layout.block)}
+        return {"data": (1, 1), "scale": scale[layout.granularity]}
+
     def quantize(self, w, layout):
         q, scale = quantize_fp8(w, layout.granularity, layout.block)
         return {"data": q, "scale": scale}

@@ -72,6 +72,9 @@ class MXFP4Codec(Codec):
             (out_features, in_features // 2)
         return {"data": (data, torch.uint8), "scale": ((out_features, in_features // self.group), torch.uint8)}
 
+    def units(self, layout):
+        return {"data": (1, self.group if layout.blocks_layout else 2), "scale": (1, self.group)}
+
     def quantize(self, w, layout):
         packed, scale = quantize_mxfp4(w, group=self.group)
         return {"data": packed.unflatten(-1, (-1, self.group // 2)) if layout.blocks_layout else packed,

@@ -116,6 +116,9 @@ class NVFP4Codec(Codec):
                 "scale": ((out_features, in_features // self.group), torch.float8_e4m3fn),
                 "global": (layout.scalar_shape, torch.float32)}
 
+    def units(self, layout):
+        return {"data": (1, 2), "scale": (1, self.group)}
+
     def quantize(self, w, layout):
         convention = "compressed-tensors" if layout.divisor else "modelopt"
         packed, scale, g = quantize_nvfp4(w, convention=convention, group=self.group)
