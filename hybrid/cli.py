@@ -104,6 +104,7 @@ def _generate_on(args, rank: int, world: int) -> int:
 
         problem = None
         try:
+            check_writable(args.prefix_cache)  # the name given (not a directory), then the rank's own file
             check_writable(prefix_path)
         except OSError as e:
             problem = f"--prefix-cache: {e}"
@@ -278,7 +279,8 @@ def _info(args) -> int:
         from hybrid.serving.capacity import plan as plan_capacity
 
         capacity = plan_capacity(config, dtype, args.memory, quant, max_model_len=args.max_model_len,
-                                 max_num_seqs=args.max_num_seqs, block_size=args.block_size)
+                                 max_num_seqs=args.max_num_seqs, block_size=args.block_size,
+                                 tensor_parallel=args.tensor_parallel or 1)
         report["capacity"] = capacity.to_dict()
     if args.tensor_parallel is not None:
         from hybrid.accounting import describe_ranks
@@ -336,12 +338,14 @@ def _print_ranks(tp: dict) -> None:
 
 def _print_capacity(c) -> None:
     gib = 2**30
-    print(f"memory         {c.budget_bytes / gib:.2f} GiB budget: weights {c.weight_bytes / gib:.2f} GiB, reserve "
+    rank = f" per rank of {c.tensor_parallel}" if c.tensor_parallel > 1 else ""
+    print(f"memory         {c.budget_bytes / gib:.2f} GiB budget{rank}: weights {c.weight_bytes / gib:.2f} GiB, reserve "
           f"{c.reserve_bytes / gib:.2f} GiB (activations, runtime), {max(c.free_bytes, 0) / gib:.2f} GiB for the pools")
     if not c.fits:
         need = c.weight_bytes + c.reserve_bytes + c.bytes_per_full_sequence
         print(f"               does not fit: the weights, the reserve and one sequence of {c.max_model_len:,} tokens "
-              f"need {need / gib:.2f} GiB (try a packed --format, a smaller --max-model-len or more --memory)")
+              f"need {need / gib:.2f} GiB (try a packed --format, a smaller --max-model-len, more --memory or "
+              "more --tensor-parallel ranks)")
         return
     same = "" if c.state_equals_kv_tokens == float("inf") else \
         f"; one state weighs as much as {c.state_equals_kv_tokens:,.0f} tokens of KV"
@@ -574,7 +578,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report the sizes after `hybrid quantize --format F` with the default exclusions")
     i.add_argument("--memory", type=_memory, default=None, metavar="SIZE",
                    help="a memory budget (32GB, 24GiB): print the state slots and KV blocks it holds and the "
-                        "concurrent sequences per length")
+                        "concurrent sequences per length (with --tensor-parallel: one rank's budget)")
     i.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="with --memory: the longest sequence a slot must reach (default: the config's)")
     i.add_argument("--max-num-seqs", type=_positive_int, default=256, help="with --memory: at most this many slots")

@@ -401,6 +401,12 @@ def test_info_tensor_parallel_nano_by_hand(capsys):
     assert tp["collectives_per_token"] == {"calls": {"all_reduce": 53, "all_gather": 1},
                                            "payload": {"all_reduce": 53 * H * 2, "all_gather": 131072 // 4 * 2}}
     assert tp["ring_bytes_sent_per_token"] == round(2 * 3 / 4 * 53 * H * 2 + 3 * 131072 // 4 * 2)
+    # --memory plans one rank's device: the largest rank's weights, a rank's KV and Mamba heads
+    assert main(["info", nano_config, "--tensor-parallel", "4", "--memory", "20GB", "--json"]) == 0
+    capacity = json.loads(capsys.readouterr().out)["capacity"]
+    assert capacity["tensor_parallel"] == 4
+    assert capacity["weight_bytes"] == max(r["weight_bytes"] for r in tp["ranks"])
+    assert (capacity["kv_bytes_per_token"], capacity["state_bytes_per_sequence"]) == (6 * 2 * 128 * 2, 23 * (conv + ssm))
     assert main(["info", nano_config, "--tensor-parallel", "3"]) == 2
     assert "`num_attention_heads` (32) is not a multiple of 3" in capsys.readouterr().err
 
@@ -461,6 +467,10 @@ def test_torchrun_sampling_and_prefix_cache_files(tmp_path):
     unseeded = torchrun(args[:-2])
     assert unseeded.returncode == 0, unseeded.stderr.decode()[-3000:]
     assert json.loads(unseeded.stdout)["generated_tokens"] == 12
+    (tmp_path / "dir").mkdir()  # a directory is refused as in one process, nothing written beside it
+    refused = torchrun([*args, "--seed", "5", "--prefix-cache", str(tmp_path / "dir")])
+    assert refused.returncode != 0 and "is a directory, not a file to write" in refused.stderr.decode()
+    assert not list(tmp_path.glob("dir.*"))
 
 
 def test_torchrun_error_on_one_rank_stops_every_rank():

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hybrid.accounting import describe
+from hybrid.accounting import describe, describe_ranks
 from hybrid.config import HybridConfig
 from moe.quant.config import QuantConfig
 
@@ -69,6 +69,7 @@ class Capacity:
     fits: bool
     concurrency: dict[int, int]  # {length: sequences of that length that fit at once}
     state_equals_kv_tokens: float  # one state weighs as much as this many tokens of KV (inf: no attention)
+    tensor_parallel: int = 1  # > 1: the plan of one rank of that many (its weights and its part of the caches)
 
     def sequence_bytes(self, length: int) -> int:
         """Bytes of one sequence of `length` tokens: its state and its KV blocks."""
@@ -92,12 +93,16 @@ class Capacity:
 
 def plan(config: HybridConfig, dtype: torch.dtype, budget_bytes: int, quant: QuantConfig | None = None,
          max_model_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-         block_size: int = DEFAULT_BLOCK_SIZE, reserve_bytes: int = DEFAULT_RESERVE) -> Capacity:
+         block_size: int = DEFAULT_BLOCK_SIZE, reserve_bytes: int = DEFAULT_RESERVE,
+         tensor_parallel: int = 1) -> Capacity:
     """What `budget_bytes` holds for `config` in `dtype` (and `quant`, for packed weight sizes): concurrency
-    at `REPORT_LENGTHS` and `max_model_len` (default: the config's max_position_embeddings).
+    at `REPORT_LENGTHS` and `max_model_len` (default: the config's max_position_embeddings). With
+    `tensor_parallel` N > 1, the budget is one rank's (one device's): the largest rank's weights and a rank's
+    KV heads and Mamba heads (`hybrid.accounting.describe_ranks`).
 
     Raises:
         ValueError: a size argument below 1 (reserve below 0).
+        ConfigError: the config does not split `tensor_parallel` ways.
     """
     max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
     for name, value in (("budget_bytes", budget_bytes), ("max_num_seqs", max_num_seqs), ("block_size", block_size),
@@ -106,11 +111,17 @@ def plan(config: HybridConfig, dtype: torch.dtype, budget_bytes: int, quant: Qua
             raise ValueError(f"{name} must be >= 1, got {value}")
     if reserve_bytes < 0:
         raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
-    report = describe(config, dtype, quant)
-    kv_token, state = report["kv_cache_bytes_per_token"], report["mamba_state_bytes_per_sequence"]
-    free = budget_bytes - report["weight_bytes"] - reserve_bytes
-    c = Capacity(budget_bytes, report["weight_bytes"], reserve_bytes, free, block_size, max_model_len, max_num_seqs,
-                 kv_token, state, 0, False, {}, state / kv_token if kv_token else math.inf)
+    if tensor_parallel > 1:
+        ranks = describe_ranks(config, dtype, tensor_parallel, quant)["ranks"]
+        weights, kv_token, state = (max(r[k] for r in ranks) for k in (
+            "weight_bytes", "kv_cache_bytes_per_token", "mamba_state_bytes_per_sequence"))
+    else:
+        report = describe(config, dtype, quant)
+        weights, kv_token = report["weight_bytes"], report["kv_cache_bytes_per_token"]
+        state = report["mamba_state_bytes_per_sequence"]
+    free = budget_bytes - weights - reserve_bytes
+    c = Capacity(budget_bytes, weights, reserve_bytes, free, block_size, max_model_len, max_num_seqs,
+                 kv_token, state, 0, False, {}, state / kv_token if kv_token else math.inf, tensor_parallel)
     c.bytes_per_full_sequence = c.sequence_bytes(max_model_len)
     c.fits = free >= c.bytes_per_full_sequence
     for length in sorted({n for n in REPORT_LENGTHS if n < max_model_len} | {max_model_len}):
