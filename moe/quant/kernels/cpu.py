@@ -21,6 +21,7 @@ packed modules keep the PyTorch reference (dequantize, then matmul), which stays
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -74,13 +75,35 @@ def build(source: Path, prefix: str, flags: tuple[str, ...] = FLAGS, what: str =
         from torch.utils.cpp_extension import load
 
         directory.mkdir(parents=True, exist_ok=True)
-        if not any(directory.glob(f"{name}*.so")):
-            print(f"compiling {what} ...", file=sys.stderr, flush=True)
-        return load(name=name, sources=[str(source)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory), verbose=False)
+        with _build_lock(directory):
+            if not any(directory.glob(f"{name}*.so")):
+                print(f"compiling {what} ...", file=sys.stderr, flush=True)
+            return load(name=name, sources=[str(source)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
+                        build_directory=str(directory), verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path is always correct
         warnings.warn(f"{what} unavailable, using the PyTorch path ({type(e).__name__}: {e})", stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """Hold an exclusive `flock` on `directory/build.flock` (the OS releases it when its holder dies) and, once
+    held, remove torch's own lock file `directory/lock`: torch (`FileBaton`) creates that file while it builds
+    and, seeing it, waits for it to go, forever; a build killed midway (Ctrl-C during the first compile) would
+    leave it and hang every later start. Under the flock no other process of ours is building, so a `lock`
+    found then is stale. Where `fcntl` is missing (not POSIX), torch's lock alone."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(directory / "build.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (directory / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _fp8(ext, xs, ts, fmt):
