@@ -140,15 +140,20 @@ def _generate_on(args, rank: int, world: int) -> int:
 
         prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
         absent = "its file does not exist yet"  # the same words on every rank: `agree` finds them equal
-        problem = None if Path(prefix_path).exists() else absent
-        if problem is None:
+        present = Path(prefix_path).exists()
+        problem = None
+        if present:
             try:
                 prefix_cache.load(prefix_path)
             except ValueError as e:  # another model's or block size's file: use it neither way, keep it intact
                 problem = str(e)
         if world > 1:  # the ranks resume from the same prefixes, or none does
             problem = launch.agree(problem)
-        if problem and problem != absent:
+            missing = launch.agree(None if present else absent)
+            if problem is None and missing not in (None, absent):  # some ranks' files only: start afresh, rewrite
+                print(f"note: not using the prefix cache (every rank's file is rewritten): {missing}", file=sys.stderr)
+                prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
+        if problem:
             print(f"note: not using the prefix cache (left unchanged): {problem}", file=sys.stderr)
             prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
             save_prefix_cache = False

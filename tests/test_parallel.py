@@ -464,6 +464,13 @@ def test_torchrun_sampling_and_prefix_cache_files(tmp_path):
     assert [t["prefix_cache_reused_tokens"] for t in twos] == [o["prefix_cache_reused_tokens"] for o in ones]
     assert ones[1]["prefix_cache_reused_tokens"] > 0
     assert sorted(p.name for p in tmp_path.glob("pc.*")) == ["pc.safetensors.rank0-of-2", "pc.safetensors.rank1-of-2"]
+    (tmp_path / "pc.safetensors.rank1-of-2").unlink()  # one rank's file lost: no rank resumes, both are rewritten
+    again = torchrun([*args, "--seed", "5", "--prefix-cache", str(tmp_path / "pc.safetensors")])
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert "every rank's file is rewritten): rank 1: its file does not exist yet" in again.stderr.decode()
+    assert json.loads(again.stdout)["prefix_cache_reused_tokens"] == 0
+    assert json.loads(again.stdout)["token_ids"] == ones[0]["token_ids"]
+    assert (tmp_path / "pc.safetensors.rank1-of-2").exists()
     unseeded = torchrun(args[:-2])
     assert unseeded.returncode == 0, unseeded.stderr.decode()[-3000:]
     assert json.loads(unseeded.stdout)["generated_tokens"] == 12
