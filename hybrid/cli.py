@@ -280,17 +280,17 @@ def _info(args) -> int:
     dtype = parse_dtype(args.dtype, config)
     report = describe(config, dtype, quant)
     capacity = None
-    if args.memory is not None:
-        from hybrid.serving.capacity import plan as plan_capacity
-
-        capacity = plan_capacity(config, dtype, args.memory, quant, max_model_len=args.max_model_len,
-                                 max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                                 tensor_parallel=args.tensor_parallel or 1)
-        report["capacity"] = capacity.to_dict()
     if args.tensor_parallel is not None:
         from hybrid.accounting import describe_ranks
 
         report["tensor_parallel"] = describe_ranks(config, dtype, args.tensor_parallel, quant)
+    if args.memory is not None:
+        from hybrid.serving.capacity import plan as plan_capacity
+
+        ranks = report["tensor_parallel"]["ranks"] if args.tensor_parallel is not None else None
+        capacity = plan_capacity(config, dtype, args.memory, quant, max_model_len=args.max_model_len,
+                                 max_num_seqs=args.max_num_seqs, block_size=args.block_size, ranks=ranks)
+        report["capacity"] = capacity.to_dict()
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

@@ -20,7 +20,6 @@ Routed experts stay whole on their rank (the plan splits the expert index), so t
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -60,15 +59,13 @@ def packed_shards(model, plan: ShardPlan) -> tuple[dict[str, Shard], dict[str, R
             continue
         units = module.fmt.units()
         if dense.dim == 0:
-            step = math.lcm(*(u[0] for u in units.values() if u[0] is not None))
-            held = _widened(dense.ranges, step, module.out_features)
+            held = _widened(dense.ranges, module.fmt.step(0), module.out_features)
             if held != dense.ranges:
                 subsets[name] = RowSubset(held, _keep(held, dense.ranges))
             if module.bias is not None:
                 shards[f"{name}.bias"] = Shard("split", 0, held)
         else:
-            held = dense.ranges
-            step = math.lcm(*(u[1] for u in units.values() if u[1] is not None))
+            held, step = dense.ranges, module.fmt.step(1)
             for a, b in held:
                 if a % step or (b % step and b != module.in_features):
                     raise ValueError(f"tensor parallelism: `{name}` ({module.fmt.label}) takes input columns "
@@ -95,16 +92,8 @@ def _widened(ranges, step: int, n: int) -> tuple[tuple[int, int], ...]:
 
 def _keep(held, ranges) -> tuple[int, ...]:
     """The positions, in the concatenation of the `held` ranges, of the rows of `ranges` (in their order)."""
-    offset, base = 0, []
-    for a, b in held:
-        base.append((a, b, offset))
-        offset += b - a
-    keep = []
-    for a, b in ranges:
-        for row in range(a, b):
-            start, _, off = next(h for h in base if h[0] <= row < h[1])
-            keep.append(off + row - start)
-    return tuple(keep)
+    position = {row: i for i, row in enumerate(r for a, b in held for r in range(a, b))}
+    return tuple(position[row] for a, b in ranges for row in range(a, b))
 
 
 def narrow_outputs(model, subsets: dict[str, RowSubset]) -> None:

@@ -250,12 +250,10 @@ def _layers(config: HybridConfig):
 
 
 def _unit(quant: QuantConfig | None, module: str, axis: int) -> int:
-    """The steps (`QuantFormat.units`) at which packed weight `module` may be cut along its output rows
-    (`axis` 0) or input columns (1): the lcm of its tensors' steps; 1 when it is not packed."""
+    """The step (`QuantFormat.step`) at which packed weight `module` may be cut along its output rows (`axis`
+    0) or input columns (1); 1 when it is not packed."""
     fmt = quant.format_for(module) if quant is not None else None
-    if fmt is None:
-        return 1
-    return math.lcm(*(u[axis] for u in fmt.units().values() if u[axis] is not None))
+    return 1 if fmt is None else fmt.step(axis)
 
 
 def width_units(config: HybridConfig, quant: QuantConfig | None) -> dict[str, int]:

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hybrid.accounting import describe, describe_ranks
+from hybrid.accounting import describe
 from hybrid.config import HybridConfig
 from moe.quant.config import QuantConfig
 
@@ -94,15 +94,14 @@ class Capacity:
 def plan(config: HybridConfig, dtype: torch.dtype, budget_bytes: int, quant: QuantConfig | None = None,
          max_model_len: int | None = None, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
          block_size: int = DEFAULT_BLOCK_SIZE, reserve_bytes: int = DEFAULT_RESERVE,
-         tensor_parallel: int = 1) -> Capacity:
+         ranks: list[dict] | None = None) -> Capacity:
     """What `budget_bytes` holds for `config` in `dtype` (and `quant`, for packed weight sizes): concurrency
-    at `REPORT_LENGTHS` and `max_model_len` (default: the config's max_position_embeddings). With
-    `tensor_parallel` N > 1, the budget is one rank's (one device's): the largest rank's weights and a rank's
-    KV heads and Mamba heads (`hybrid.accounting.describe_ranks`).
+    at `REPORT_LENGTHS` and `max_model_len` (default: the config's max_position_embeddings). With `ranks` (the
+    "ranks" of `hybrid.accounting.describe_ranks`, more than one), the budget is one rank's (one device's): the
+    largest rank's weights and a rank's KV heads and Mamba heads.
 
     Raises:
         ValueError: a size argument below 1 (reserve below 0).
-        ConfigError: the config does not split `tensor_parallel` ways.
     """
     max_model_len = config.max_position_embeddings if max_model_len is None else max_model_len
     for name, value in (("budget_bytes", budget_bytes), ("max_num_seqs", max_num_seqs), ("block_size", block_size),
@@ -111,8 +110,8 @@ def plan(config: HybridConfig, dtype: torch.dtype, budget_bytes: int, quant: Qua
             raise ValueError(f"{name} must be >= 1, got {value}")
     if reserve_bytes < 0:
         raise ValueError(f"reserve_bytes must be >= 0, got {reserve_bytes}")
+    tensor_parallel = len(ranks) if ranks else 1
     if tensor_parallel > 1:
-        ranks = describe_ranks(config, dtype, tensor_parallel, quant)["ranks"]
         weights, kv_token, state = (max(r[k] for r in ranks) for k in (
             "weight_bytes", "kv_cache_bytes_per_token", "mamba_state_bytes_per_sequence"))
     else:

@@ -22,6 +22,8 @@ names checkpoint configs use to formats; adding a format is one `Codec` subclass
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 import torch
@@ -154,6 +156,11 @@ class QuantFormat:
         """{tensor name: (rows, cols)} (`Codec.units`), every role named; (None, None) for a scalar."""
         units = self.codec.units(self.layout)
         return {self.names[role]: units.get(role, (None, None)) for role in self.roles}
+
+    def step(self, axis: int) -> int:
+        """The fewest weight rows (`axis` 0) or columns (1) a cut may take without cutting any tensor's step:
+        the lcm of `units()` along that axis."""
+        return math.lcm(*(u[axis] for u in self.units().values() if u[axis] is not None))
 
     def packed_nbytes(self, out_features: int, in_features: int) -> int:
         """Bytes of every tensor of one [out, in] weight in this format."""
