@@ -377,8 +377,11 @@ def _quantize(args) -> int:
     # before any work: the calibration text, where it goes, and that it can be created
     texts = [read_calibration_file(args.calibration_file)] if args.calibration_file else None
     check_destination(dst, src, args.overwrite)
-    batches = None
-    if has_static_inputs(args.format) and args.calibration_samples:
+    batches, calibrated = None, has_static_inputs(args.format)
+    if not calibrated and args.calibration_file:
+        print(f"note: --calibration-file is not used: {args.format} has no static input scales to calibrate",
+              file=sys.stderr)
+    if calibrated and args.calibration_samples:
         batches = calibration_batches(Tokenizer.from_dir(src), args.calibration_samples, args.calibration_length, texts)
     try:
         report = quantize_checkpoint(src, dst, args.format, exclude=args.exclude, calibration=batches,
@@ -387,8 +390,10 @@ def _quantize(args) -> int:
     except (OSError, SafetensorError) as e:  # a full disk, a lost mount: nothing was changed
         print(f"error: writing {dst} failed ({e}); {dst} was left as it was", file=sys.stderr)
         return 1
+    calibration = (f"{len(batches or [])} calibration samples" if calibrated
+                   else f"no calibration: {args.format} has no static input scales")
     print(f"wrote {dst} ({args.format}, {len(report.shards)} shard(s), {report.weight_bytes / 2**30:.2f} GiB of "
-          f"weights, {len(batches or [])} calibration samples); written: {', '.join(report.written)}; copied from "
+          f"weights, {calibration}); written: {', '.join(report.written)}; copied from "
           f"the source: {', '.join(report.copied) or 'nothing'}", file=sys.stderr)
     return 0
 
@@ -415,6 +420,20 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    """The serving engine's step budget and snapshot spacing (`hybrid serve`, `hybrid chat`); the defaults
+    are hybrid.serving.engine's DEFAULT_MAX_NUM_BATCHED_TOKENS and hybrid.serving.prefix's
+    DEFAULT_SNAPSHOT_INTERVAL (not imported here: parsing stays free of torch)."""
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, metavar="N",
+                   help="tokens of one engine step, decode tokens and prefill chunks together: a long prompt is "
+                        "prefilled N tokens a step while the running requests decode (vLLM's name; default: "
+                        "%(default)s)")
+    p.add_argument("--prefix-snapshot-interval", type=_snapshot_interval, default=512, metavar="N",
+                   help="prompt tokens between the prefix cache's Mamba snapshots (a hit resumes at the last one "
+                        "inside the shared prefix, or at an earlier prompt's end; each weighs one state slot; a "
+                        "multiple of 16; default: %(default)s)")
 
 
 def _snapshot_interval(text: str) -> int:
@@ -548,6 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prefix-cache-file", default=None, metavar="FILE",
                    help="load the prefix cache from FILE at start (if it matches the model) and save it at exit")
     v.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ requests")
+    _engine_options(v)
     v.set_defaults(func=_serve)
 
     c = sub.add_parser("chat", help="chat with a checkpoint in the terminal (the serving engine, its prefix cache)")
@@ -573,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume each turn from the previous prompt's cached state (default: on)")
     c.add_argument("--prefix-cache-file", default=None, metavar="FILE",
                    help="load the prefix cache from FILE at start (if it matches the model) and save it at exit")
+    _engine_options(c)
     c.set_defaults(func=_chat)
 
     i = sub.add_parser("info", help="layers, parameters, bytes and cache sizes of a checkpoint or config.json")

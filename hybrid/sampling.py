@@ -182,7 +182,7 @@ class Completion:
     acceptance_rate: with speculative decoding, the share of drafted tokens the model accepted.
     cached_tokens: prompt tokens taken from a prefix cache instead of computed.
     prefill_seconds / decode_seconds: wall time of the batch's prefill (up to the first token) and of the
-    decode steps after it; the rates count this row's tokens.
+    decode steps after it; the rates count this row's tokens (the prefill rate its computed prompt tokens).
     """
 
     token_ids: list[int]
@@ -196,7 +196,10 @@ class Completion:
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("inf")
+        """Prompt tokens computed per second of prefill: those taken from a prefix cache (`cached_tokens`)
+        are not counted, as they were not computed."""
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.prefill_seconds if self.prefill_seconds > 0 else float("inf")
 
     @property
     def decode_tokens_per_s(self) -> float | None:

@@ -178,7 +178,10 @@ def free_port() -> int:
 class ServerProcess:
     """A server started as a process of its own (its output to `log`), ready once `ready` answers 200."""
 
-    def __init__(self, name: str, cmd: list[str], url: str, log: Path, ready: str = "/health", timeout: float = 600):
+    def __init__(self, name: str, cmd: list[str], url: str, log: Path, ready: str = "/health", timeout: float = 600,
+                 env: dict[str, str] | None = None):
+        import os
+
         import httpx
 
         self.name, self.url, self.log = name, url, log
@@ -186,7 +189,8 @@ class ServerProcess:
         self._log = log.open("a")  # a running log, appended to: each run starts with its own header line
         self._log.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(cmd)}\n")
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **(env or {})})
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
@@ -384,6 +388,7 @@ def summarize(responses: list[Response], wall: float, max_tokens: int) -> dict:
     cached = sum(r.cached_tokens or 0 for r in done)
     return {
         "requests": len(responses), "errors": len(responses) - len(done),
+        "cut_short": sum(1 for r in done if r.finish_reason is None and not r.disconnected),
         "errors_seen": sorted({r.error for r in responses if r.error})[:3],
         "wall_s": wall, "generated_tokens": tokens, "tok_s": tokens / wall if wall > 0 else None,
         "stream_decode_tok_s": statistics.mean(rates) if rates else None,
@@ -570,8 +575,12 @@ def llamacpp_log_facts(log: Path) -> dict:
 def run_peer(args, gguf: Path, url: str, log_path: Path, prompts: Prompts, plan, warmup: int) -> dict:
     """llama.cpp's server on `gguf` under the levels of `plan` (its first `--peer-requests` requests each)."""
     port = url.rsplit(":", 1)[1]
+    # llama-cpp-python's server serves one request at a time and by default (interrupt_requests) ends a
+    # streaming response with [DONE] as soon as another request waits: under concurrent clients most of its
+    # responses were cut after a few tokens and every switch re-evaluated a whole prompt. Its setting (a
+    # pydantic-settings field, read from the environment) off: each request runs to its end, in turn.
     peer = ServerProcess("llama.cpp server", [args.peer_tool, "serve", str(gguf), port, str(args.threads)], url,
-                         log_path, ready="/v1/models")
+                         log_path, ready="/v1/models", env={"INTERRUPT_REQUESTS": "false"})
     try:
         peer_plan = [(c, indices[:args.peer_requests or max(4, c)]) for c, indices in plan]
         result = run_levels(peer, None, prompts, peer_plan, args.max_tokens, warmup, metrics=False,
@@ -837,7 +846,8 @@ def print_report(report: dict) -> None:
                   f"{_f(level['ttft_p99_s']):>10}{_f(level['itl_p50_s']):>9}{_f(level['itl_p99_s']):>9}"
                   f"{_f(level['cached_fraction'], '.0%'):>8}{_f(level.get('prefix_hits_per_admission'), '.0%'):>6}"
                   f"{_f(level['peak_rss_bytes'] and level['peak_rss_bytes'] / 1e6, ',.0f'):>12}"
-                  + (f"  ({level['errors']} errors: {level['errors_seen'][0]})" if level["errors"] else ""))
+                  + (f"  ({level['errors']} errors: {level['errors_seen'][0]})" if level["errors"] else "")
+                  + (f"  ({level['cut_short']} cut short: no finish reason)" if level.get("cut_short") else ""))
     mb = lambda b: _f(b and b / 1e6, ",.0f")  # noqa: E731
     print(f"hybrid serve: resident {mb(report.get('server_rss_after_start_bytes'))} MB after start, "
           f"{mb(report.get('server_peak_rss_bytes'))} MB at its peak over the run"
@@ -976,6 +986,12 @@ def main(argv: list[str] | None = None) -> int:
     report["sequential"] = on_a_thread(run_sequential, model, tokenizer, prompts, target_indices, 0, args.max_tokens)
     references = report["sequential"].pop("references")
 
+    def checkpoint(phase: str) -> None:
+        """The report so far to --out (a run stopped later keeps its finished phases), marked partial."""
+        write_json(args.out, {**report, "partial": f"after {phase}"})
+
+    checkpoint("sequential")
+
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
     hybrid_cmd = Path(sys.executable).parent / "hybrid"
@@ -996,14 +1012,17 @@ def main(argv: list[str] | None = None) -> int:
             check = check_responses(level.pop("responses"), references)
             if check["compared"]:
                 level["equal_to_reference"] = check["equal"]
+        checkpoint("the load levels")
         log("long prompt while requests stream ...")
         wait_idle(url)
         report["long_prompt"] = run_long_prompt(server, name, prompts, stream_indices, args.max_tokens)
+        checkpoint("the long prompt")
         if args.soak:
             log(f"soak: {args.soak} requests ...")
             soak_references = {i: truncated(ref, args.soak_max_tokens, tokenizer) for i, ref in references.items()}
             soak_responses, report["soak"] = run_soak(server, name, prompts, soak_references, args.soak,
                                                       args.soak_clients, args.soak_max_tokens, args.rss_tolerance)
+            checkpoint("the soak")
         report["server_peak_rss_bytes"] = server.overall_peak()
     finally:
         server.stop()
@@ -1031,6 +1050,7 @@ def main(argv: list[str] | None = None) -> int:
             soak.setdefault(key, empty)
         soak["correct"] = soak["compared"] > 0 and soak["wrong"] == 0 and soak["unverified"] == 0
     del model
+    checkpoint("the replays")
 
     if not args.no_peer:
         log("llama.cpp: the GGUF (converted once) ...")

@@ -233,7 +233,8 @@ def test_hybrid_chat_with_stdin_piped_gives_the_same_replies_and_saves_the_prefi
     cache = tmp_path / "prefix.safetensors"
     r = subprocess.run([sys.executable, "-m", "hybrid.cli", "chat", str(directory), "--temperature", "0",
                         "--max-tokens", "4", "--no-thinking", "--dtype", "fp32", "--threads", "2",
-                        "--max-model-len", "1024", "--prefix-cache-file", str(cache)],
+                        "--max-model-len", "1024", "--prefix-cache-file", str(cache), "--max-num-batched-tokens", "64",
+                        "--prefix-snapshot-interval", "32"],
                        input="Name a colour.\nAnd another one?\n", capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     messages = [{"role": "user", "content": "Name a colour."}]
@@ -244,3 +245,34 @@ def test_hybrid_chat_with_stdin_piped_gives_the_same_replies_and_saves_the_prefi
     turns = re.findall(r"\[turn (\d): (\d+) prompt tokens, (\d+) cached, (\d+) computed \| 4 generated", r.stderr)
     assert [(t, int(p)) for t, p, _, _ in turns] == [("1", first_tokens), ("2", second_tokens)]
     assert int(turns[1][2]) >= first_tokens and cache.exists()
+    assert "steps of 64 tokens, prefix snapshots every 32 tokens" in r.stderr  # read back from the engine
+
+
+def test_the_engine_options_default_to_the_engines_defaults():
+    """hybrid serve / chat's --max-num-batched-tokens and --prefix-snapshot-interval default to the engine's
+    own defaults (the parser does not import them), and a snapshot interval off the block size is refused."""
+    from hybrid.cli import build_parser
+    from hybrid.serving.engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from hybrid.serving.prefix import DEFAULT_SNAPSHOT_INTERVAL
+
+    for command in ("serve", "chat"):
+        args = build_parser().parse_args([command])
+        assert (args.max_num_batched_tokens, args.prefix_snapshot_interval) == \
+            (DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_SNAPSHOT_INTERVAL)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--prefix-snapshot-interval", "40"])
+
+
+def test_a_reply_cut_by_the_model_length_says_so(mini):
+    """--max-tokens past the room the context leaves: the reply stops at the model length and the turn's
+    line says that the context is full, not that the token limit was reached; a reply stopped by
+    --max-tokens itself says the token limit."""
+    probe = session(mini, thinking=False)
+    n = len(probe.prompt("Hi").ids)
+    chat = session(mini, max_model_len=n + 3, temperature=0, max_tokens=500, thinking=False)
+    turn = chat.reply("Hi")
+    assert (turn.finish_reason, turn.generated_tokens, turn.context_full_at) == ("length", 3, n + 3)
+    assert f"stopped at the model length ({n + 3:,} tokens, --max-model-len)" in turn.summary()
+    short = session(mini, max_model_len=n + 3, temperature=0, max_tokens=2, thinking=False).reply("Hi")
+    assert (short.finish_reason, short.generated_tokens, short.context_full_at) == ("length", 2, None)
+    assert "stopped at the token limit" in short.summary()

@@ -60,6 +60,8 @@ def test_hit_equals_cold_run(model, interval, shared):
     (hit,) = generate_ids(model, [second], max_new_tokens=8, prefix_cache=pc)
     assert hit.cached_tokens == expected and hit.token_ids == cold(model, second, 8)
     assert (pc.hits, pc.misses, pc.reused_tokens) == (int(expected > 0), 2 - int(expected > 0), expected)
+    # the prefill rate counts the prompt tokens computed, not those taken from the cache
+    assert hit.prefill_tokens_per_s == pytest.approx((len(second) - expected) / hit.prefill_seconds)
 
 
 def test_a_prompt_extending_an_earlier_one_resumes_at_its_end(model):

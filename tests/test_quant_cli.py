@@ -208,3 +208,21 @@ def test_negative_calibration_samples_are_refused(src, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--calibration-samples: must be a non-negative integer, got -1" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_mxfp4_says_it_takes_no_calibration(src, tmp_path, capsys):
+    """MXFP4 has no static input scales: the summary says no calibration ran (not "0 calibration samples"
+    after the user asked for some) and a --calibration-file is named as unused; NVFP4 counts its samples."""
+    from hybrid.cli import main
+
+    text = tmp_path / "calib.txt"
+    text.write_text("Some text to calibrate on. " * 40)
+    assert main(["quantize", str(src), str(tmp_path / "mx"), "--format", "mxfp4", "--calibration-samples", "4",
+                 "--calibration-file", str(text)]) == 0
+    err = capsys.readouterr().err
+    assert "note: --calibration-file is not used: mxfp4 has no static input scales" in err
+    assert "no calibration: mxfp4 has no static input scales" in err and "calibration samples" not in err
+    assert main(["quantize", str(src), str(tmp_path / "nv"), "--format", "nvfp4", "--calibration-samples", "2",
+                 "--calibration-length", "16", "--calibration-file", str(text)]) == 0
+    err = capsys.readouterr().err
+    assert "2 calibration samples" in err and "not used" not in err

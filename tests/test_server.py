@@ -175,6 +175,32 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot_and_blocks(served):
     wait_idle(served)  # the abort reached the engine: nothing is held
 
 
+def test_metrics_count_each_engine_step_and_the_prefix_caches_snapshots(served):
+    """A lone request of n tokens on a prompt shorter than a snapshot interval takes n engine steps (its
+    prefill gives the first token): the step histogram's count grows by n, its buckets are cumulative with
+    +Inf equal to the count; the snapshot gauges equal the engine's own figures once it is idle."""
+    wait_idle(served)
+
+    def histogram() -> dict[str, float]:
+        text = httpx.get(served.url + "/metrics").text
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith("hybrid_engine_step_seconds")}
+
+    before = histogram()
+    r = served.client.completions.create(model="hybrid-mini", prompt="The sky", max_tokens=7, temperature=0)
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
+    wait_idle(served)
+    after = histogram()
+    assert after["hybrid_engine_step_seconds_count"] - before["hybrid_engine_step_seconds_count"] == 7
+    assert after["hybrid_engine_step_seconds_sum"] > before["hybrid_engine_step_seconds_sum"]
+    buckets = [v for k, v in after.items() if k.startswith("hybrid_engine_step_seconds_bucket")]
+    assert buckets == sorted(buckets) and 'hybrid_engine_step_seconds_bucket{le="+Inf"}' in after
+    assert after['hybrid_engine_step_seconds_bucket{le="+Inf"}'] == after["hybrid_engine_step_seconds_count"]
+    assert metric(served, "prefix_cache_snapshots") == len(served.engine.prefix.snapshots) > 0
+    assert metric(served, "prefix_cache_snapshot_bytes") == served.engine.prefix.nbytes > 0
+    assert metric(served, "prefix_cache_blocks") == served.engine.blocks.num_cached()
+
+
 def test_a_client_that_gives_up_on_a_plain_response_frees_its_slot_and_blocks(served):
     body = {"model": "hybrid-mini", "prompt": "The for statement is used to", "max_tokens": 900, "temperature": 0}
     before = served.runner.generated_tokens

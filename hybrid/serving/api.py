@@ -35,6 +35,7 @@ from hybrid.sampling import SamplingParams
 from hybrid.serving.request import RequestOutput, TokenLogprobs
 from hybrid.serving.runner import EngineRunner, Finished, QueueFull
 from hybrid.serving.messages import render_chat, sampling_params, template_thinks
+from hybrid.serving.metrics import exposition
 from hybrid.serving.text import ReasoningSplitter, TextStream
 
 MAX_BODY_BYTES = 16 * 2**20
@@ -327,29 +328,7 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        e = server.engine
-        lines = []
-
-        def metric(name: str, kind: str, value, help_text: str):
-            lines.extend([f"# HELP hybrid_{name} {help_text}", f"# TYPE hybrid_{name} {kind}", f"hybrid_{name} {value}"])
-
-        metric("requests_running", "gauge", len(e.scheduler.running), "requests holding a state slot")
-        metric("requests_waiting", "gauge", len(e.scheduler.waiting), "requests queued or preempted")
-        metric("kv_blocks_used", "gauge", e.blocks.num_blocks - e.blocks.num_free, "KV blocks held by requests")
-        metric("kv_blocks_total", "gauge", e.blocks.num_blocks, "KV blocks in the pool")
-        metric("state_slots_used", "gauge", e.slots.num_slots - e.slots.num_free, "Mamba state slots held")
-        metric("state_slots_total", "gauge", e.slots.num_slots, "Mamba state slots")
-        hits = e.prefix.hits if e.prefix else 0
-        metric("prefix_cache_hits_total", "counter", hits, "admissions resumed from the prefix cache")
-        metric("prefix_cache_queries_total", "counter", e.prefix.queries if e.prefix else 0, "admissions looked up")
-        metric("prefix_cache_tokens_total", "counter", e.prefix.cached_tokens if e.prefix else 0,
-               "prompt tokens served by the prefix cache")
-        metric("preemptions_total", "counter", e.scheduler.num_preemptions, "requests preempted for KV blocks")
-        metric("generation_tokens_total", "counter", server.runner.generated_tokens, "tokens generated")
-        elapsed = max(time.monotonic() - server.runner.started, 1e-9)
-        metric("generation_tokens_per_second", "gauge", f"{server.runner.generated_tokens / elapsed:.3f}",
-               "tokens generated per second since the server started")
-        return PlainTextResponse("\n".join(lines) + "\n")
+        return PlainTextResponse(exposition(server.runner))
 
     async def generate(http: Request, body: dict, prompts: list[list[int]], chat: bool, in_thinking: bool = False):
         top_logprobs = server.logprobs(body, chat)

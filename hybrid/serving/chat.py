@@ -79,8 +79,9 @@ class ChatOptions:
 @dataclass
 class Turn:
     """One reply: its reasoning and content, its prompt's tokens (and those the prefix cache served), the
-    tokens generated, why it ended ("stop", "length" or "interrupted") and the decode speed (None for a
-    reply of fewer than two tokens)."""
+    tokens generated, why it ended ("stop", "length" or "interrupted"), the decode speed (None for a
+    reply of fewer than two tokens) and, when the context left was the reply's limit (no --max-tokens, or
+    more than the room left), the model length it stopped at."""
 
     number: int
     reasoning: str
@@ -90,6 +91,7 @@ class Turn:
     generated_tokens: int
     finish_reason: str
     decode_tokens_per_s: float | None
+    context_full_at: int | None = None
 
     @property
     def computed_tokens(self) -> int:
@@ -99,6 +101,9 @@ class Turn:
         rate = self.decode_tokens_per_s
         speed = f", {rate:.1f} tok/s" if rate is not None and math.isfinite(rate) else ""
         end = {"length": " | stopped at the token limit", "interrupted": " | interrupted"}.get(self.finish_reason, "")
+        if self.finish_reason == "length" and self.context_full_at is not None:
+            end = (f" | stopped at the model length ({self.context_full_at:,} tokens, --max-model-len): the context "
+                   "is full, /reset to start over")
         return (f"[turn {self.number}: {self.prompt_tokens} prompt tokens, {self.cached_tokens} cached, "
                 f"{self.computed_tokens} computed | {self.generated_tokens} generated{speed}{end}]")
 
@@ -169,6 +174,7 @@ class ChatSession:
             raise ContextFull(f"the conversation with this message is {len(prompt.ids):,} tokens and the model "
                               f"length is {engine.max_model_len:,} (--max-model-len): /reset to start over")
         max_tokens = min(self.options.max_tokens or room, room)
+        capped = self.options.max_tokens is None or self.options.max_tokens >= room  # the context is the limit
         request_id = engine.add_checked(engine.check_request(prompt.ids, self.sampling(), max_tokens, tok.stop_ids,
                                                              "the conversation"))
         stream = TextStream(tok, (), tok.stop_ids)
@@ -204,7 +210,7 @@ class ChatSession:
         self.turns += 1
         return Turn(self.turns, parts[0], parts[1], len(prompt.ids), completion.cached_tokens,
                     len(completion.token_ids), "interrupted" if stopped else completion.finish_reason,
-                    completion.decode_tokens_per_s)
+                    completion.decode_tokens_per_s, engine.max_model_len if capped else None)
 
 
 class _Printer:

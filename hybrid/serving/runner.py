@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from hybrid.serving.engine import Engine
+from hybrid.serving.metrics import Histogram
 from hybrid.serving.request import RequestOutput, Status
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class EngineRunner:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.generated_tokens = 0
+        self.step_seconds = Histogram()  # each engine step's wall time (/metrics)
         self.started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hybrid-engine", daemon=True)
         self._thread.start()
@@ -102,7 +104,9 @@ class EngineRunner:
             if self._stop.is_set() or not engine.has_unfinished():
                 continue
             try:
+                start = time.perf_counter()
                 outputs = engine.step()
+                self.step_seconds.observe(time.perf_counter() - start)
             except Exception as e:  # a failing forward must not take the server down: end what it held
                 log.exception("engine step failed")
                 for request_id in list(engine.requests):

@@ -28,7 +28,8 @@ class Sizes:
         tokens = self.num_blocks * engine.blocks.block_size
         return (f"capacity: {self.max_num_seqs} state slots of {state / 2**20:.1f} MiB, {self.num_blocks} KV blocks of "
                 f"{engine.blocks.block_size} tokens ({tokens:,} tokens, {engine.blocks.nbytes() / 2**20:.1f} MiB); "
-                f"max_model_len {self.max_model_len:,}")
+                f"max_model_len {self.max_model_len:,}; steps of {engine.scheduler.max_num_batched_tokens} tokens"
+                + ("" if engine.prefix is None else f", prefix snapshots every {engine.prefix.snapshot_interval} tokens"))
 
 
 def size_pools(model, memory: int | None, max_num_seqs: int, max_model_len: int | None,
@@ -66,16 +67,18 @@ def size_pools(model, memory: int | None, max_num_seqs: int, max_model_len: int 
 
 def build_engine(model, args, max_num_seqs: int) -> Engine:
     """The engine `hybrid serve` and `hybrid chat` run: pools sized by `args.memory` / `args.max_model_len`,
-    prefix caching unless `--no-prefix-cache`, the prefix cache loaded from `args.prefix_cache_file` when it
-    exists and matches the model (otherwise a note, and `args.prefix_cache_file` is set to None so that the
-    file is left as it was). Prints the capacity.
+    steps of `args.max_num_batched_tokens`, prefix caching unless `--no-prefix-cache` with Mamba snapshots
+    every `args.prefix_snapshot_interval` prompt tokens, the prefix cache loaded from `args.prefix_cache_file`
+    when it exists and matches the model (otherwise a note, and `args.prefix_cache_file` is set to None so
+    that the file is left as it was). Prints the capacity.
 
     Raises:
         ValueError: see `size_pools`.
     """
     sizes = size_pools(model, args.memory, max_num_seqs, args.max_model_len)
     engine = Engine(model, num_blocks=sizes.num_blocks, max_num_seqs=sizes.max_num_seqs,
-                    max_model_len=sizes.max_model_len, prefix_caching=args.prefix_cache)
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=sizes.max_model_len,
+                    prefix_caching=args.prefix_cache, snapshot_interval=args.prefix_snapshot_interval)
     if args.prefix_cache_file and Path(args.prefix_cache_file).exists():
         try:
             n = engine.load_prefix_cache(args.prefix_cache_file)
