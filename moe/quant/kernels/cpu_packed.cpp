@@ -278,6 +278,25 @@ void fp8_tile_dot(const uint8_t* const* w, int64_t ldw, const uint16_t* x, int64
     for (int r = 0; r < RT; ++r) part[j][r] = _mm512_reduce_add_ps(acc[j][r]);
 }
 
+// E4M3 scale bytes -> fp32 lanes by the same byte tables: the bf16 words of a chunk's (up to 8) scales, then
+// lane j (the high word of 32-bit lane j, the low one zero) takes scale j * 8 / group, the block lane j of an
+// FP4 dot product covers (below). 6 instructions where decode_e4m3 + a byte shuffle took 15: the NVFP4 decode
+// of one Nano expert matrix was bound by instructions, not by its bytes.
+struct E4m3Spread {
+  E4m3ToBf16 to_bf16;
+  __m512i idx;
+  explicit E4m3Spread(int64_t group) {
+    alignas(64) uint16_t words[32] = {};
+    for (int j = 0; j < 16; ++j) words[2 * j + 1] = static_cast<uint16_t>(j * 8 / group);
+    idx = _mm512_load_si512(words);
+  }
+  __m512 operator()(__m128i bytes) const {
+    __m512i a, b;
+    to_bf16(_mm512_castsi128_si512(bytes), a, b);  // word t of a: scale t (t < 8)
+    return _mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(0xAAAAAAAA, idx, a));
+  }
+};
+
 // FP4: 64 code bytes (128 elements) -> four vectors of 32 bf16: word i of vector s is element 4i + s, nibble
 // s of the 16-bit word i of the codes (a word table lookup; the table repeats over the index's fifth bit).
 // Lane j of a dot product then sums elements 8j + s and 8j + 4 + s: all of scale block j / 2 (NVFP4, 16
@@ -292,6 +311,7 @@ void fp4_tile_dot(const Fp4Rows& w, const uint16_t* x, int64_t ldx, int64_t K, i
   const __m512i lut = _mm512_load_si512(kBf16.e2m1);
   const __m128i spread = group == 16 ? _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7)
                                      : _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const E4m3Spread e4m3_spread(group);
   __m512 acc[NT][RT];
   for (int j = 0; j < NT; ++j)
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
@@ -301,14 +321,14 @@ void fp4_tile_dot(const Fp4Rows& w, const uint16_t* x, int64_t ldx, int64_t K, i
     const __mmask16 sm = static_cast<__mmask16>((1u << blocks) - 1);
     for (int j = 0; j < NT; ++j) {
       prefetch_next_tile(w.codes[j] + 64 * c, NT * K / 2);
-      prefetch_next_tile(w.scales[j] + per_chunk * c, NT * G);
+      if (c % 8 == 0) prefetch_next_tile(w.scales[j] + per_chunk * c, NT * G);  // 4-8 scale bytes a chunk
       const __m512i v = _mm512_maskz_loadu_epi8(cm, w.codes[j] + 64 * c);
       const __m512i w0 = _mm512_permutexvar_epi16(v, lut);
       const __m512i w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), lut);
       const __m512i w2 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), lut);
       const __m512i w3 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), lut);
-      const __m128i sb = _mm_shuffle_epi8(_mm_maskz_loadu_epi8(sm, w.scales[j] + per_chunk * c), spread);
-      const __m512 s = e8m0_scales ? decode_e8m0(sb) : decode_e4m3(sb);
+      const __m128i sb = _mm_maskz_loadu_epi8(sm, w.scales[j] + per_chunk * c);
+      const __m512 s = e8m0_scales ? decode_e8m0(_mm_shuffle_epi8(sb, spread)) : e4m3_spread(sb);
       for (int r = 0; r < RT; ++r) {
         const uint16_t* xr = x + r * ldx + kFp4Chunk * c;
         __m512 t = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(xr), (__m512bh)w0);
