@@ -45,8 +45,8 @@ threads (a preset's checkpoint is built once by `bench.make_checkpoint`):
   before the soak (after every earlier phase warmed it). The tokens generated for disconnected requests
   after they left (from `/metrics`) are reported.
 
-The in-process parts (sequential, batch-1 decode, chunk and step, replays) run on a thread of their own, as
-the server runs its engine (`on_a_thread`). Targets, printed as pass / fall short with their ratios: at the
+The in-process parts (sequential, batch-1 decode, chunk and step, replays) run on the main thread, the one
+that loaded the model, as the server runs its engine (`hybrid.serving.runner` says why). Targets, printed as pass / fall short with their ratios: at the
 target level aggregate decode tok/s >= 3x batch-1 decode, total throughput >= 4x the sequential run, p99
 TTFT with the system prompt cached <= 0.2 s, throughput >= llama.cpp's server at the same level; p99 ITL
 during the long prefill <= one chunk + one step; the soak's checks. Nothing asserts a time: the ratios come
@@ -594,28 +594,6 @@ def run_peer(args, gguf: Path, url: str, log_path: Path, prompts: Prompts, plan,
 
 
 # ---------------------------------------------------------------------------------------------- in-process
-def on_a_thread(fn, *args):
-    """`fn(*args)` on a thread of its own, as the server runs its engine (`hybrid.serving.runner`): on a
-    loaded 2-core machine, torch's 2 OpenMP threads ran a tiny model's steps 2-10x slower from the main
-    thread than from another one, which would bias every ratio against the server's thread."""
-    import threading
-
-    out = {}
-
-    def run():
-        try:
-            out["result"] = fn(*args)
-        except BaseException as e:  # re-raised on the caller's thread
-            out["error"] = e
-
-    thread = threading.Thread(target=run, name="bench-in-process")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["result"]
-
-
 @torch.inference_mode()
 def run_sequential(model, tokenizer, prompts: Prompts, indices: list[int], warmup: int, max_tokens: int) -> dict:
     """The requests one after another through `hybrid.generate` with a prefix cache (warmed by request
@@ -983,7 +961,7 @@ def main(argv: list[str] | None = None) -> int:
                                               for i in target_indices]}}
 
     log(f"sequential: {len(target_indices)} requests through hybrid.generate ...")
-    report["sequential"] = on_a_thread(run_sequential, model, tokenizer, prompts, target_indices, 0, args.max_tokens)
+    report["sequential"] = run_sequential(model, tokenizer, prompts, target_indices, 0, args.max_tokens)
     references = report["sequential"].pop("references")
 
     def checkpoint(phase: str) -> None:
@@ -1027,7 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     log("chunk and step times on the engine alone ...")
-    report["chunk_and_step"] = on_a_thread(measure_chunk_and_step, model, tokenizer, prompts, stream_indices)
+    report["chunk_and_step"] = measure_chunk_and_step(model, tokenizer, prompts, stream_indices)
     mismatched = [r for r, refs in [(r, references) for r in target_responses]
                   + [(r, soak_references) for r in (soak_responses if args.soak else [])]
                   if r.error is None and not r.disconnected and r.index in refs
@@ -1035,14 +1013,10 @@ def main(argv: list[str] | None = None) -> int:
     level, soak = report["ours"]["levels"][str(target)], report.get("soak")
     if mismatched:
         log(f"replaying {len(mismatched)} responses that differ from their lone references ...")
-
-        def replay():
-            verifier = GreedyVerifier(model, tokenizer, prompts.system, args.tie_tolerance)
-            level["replay"] = verify_mismatches(verifier, prompts, target_responses, references, args.verify_max)
-            if soak:
-                soak.update(verify_mismatches(verifier, prompts, soak_responses, soak_references, args.verify_max))
-
-        on_a_thread(replay)
+        verifier = GreedyVerifier(model, tokenizer, prompts.system, args.tie_tolerance)
+        level["replay"] = verify_mismatches(verifier, prompts, target_responses, references, args.verify_max)
+        if soak:
+            soak.update(verify_mismatches(verifier, prompts, soak_responses, soak_references, args.verify_max))
     if soak:
         soak.setdefault("greedy_up_to_ties", 0)
         for key, empty in (("wrong", 0), ("unverified", 0), ("replayed", 0), ("ties", 0), ("max_tie_gap", 0.0),

@@ -161,9 +161,8 @@ def test_statistics_and_exact_prompt_lengths():
 def test_greedy_verifier_accepts_greedy_paths_and_rejects_others(quick):
     """The soak's replay check on the quick run's checkpoint: the lone greedy response passes with no tie; a
     response that takes the runner-up at the closest call and goes on greedily passes exactly when the
-    tolerance covers that gap; a changed word or another prompt's response fails. (On a thread of its own,
-    as the bench replays: see `bench_serve.on_a_thread`.)"""
-    bench_serve.on_a_thread(_verifier_checks, quick[2])
+    tolerance covers that gap; a changed word or another prompt's response fails."""
+    _verifier_checks(quick[2])
 
 
 def _verifier_checks(directory):

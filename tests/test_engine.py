@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from hybrid.generate import generate_ids
-from hybrid.layers.mamba2 import Mamba2Mixer
 from hybrid.sampling import SamplingParams
 from hybrid.serving.engine import Engine
 from hybrid.serving.request import Status
@@ -186,25 +185,54 @@ def test_pools_are_allocated_once_and_everything_is_freed(model):
     assert engine.blocks.num_free == 64 and engine.slots.num_free == 4 and not engine.requests
 
 
-def test_mamba_states_are_updated_in_place_in_their_slots(model, monkeypatch):
-    """Each sequence's recurrence runs on views of its slot in the pool, never on a gathered copy."""
-    engine = Engine(model, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=16)
-    pools = {t.untyped_storage().data_ptr() for t in engine.slots.ssm}
-    conv_pools = {t.untyped_storage().data_ptr() for t in engine.slots.conv}
-    seen = []
-    original = Mamba2Mixer._mix
+@pytest.mark.parametrize("lengths", [[5, 1, 9, 7, 1, 30], [3, 3], [2, 40, 1]])
+def test_prompt_chunks_of_several_sequences_run_batched_as_each_alone(model, lengths):
+    """A packed Mamba forward of decode tokens and prompt chunks of different lengths (the chunks of close
+    lengths run as one right-padded batch on states gathered from their slots) gives every sequence the
+    output and the final conv window and SSM state of the same tokens run alone from its own state; the
+    other slots are untouched. Oracle: the mixer's unpacked forward on one sequence and a copy of its state."""
+    from hybrid.cache import MambaState
+    from hybrid.serving.blocks import BlockPool
+    from hybrid.serving.paged_cache import PagedCache, ScheduledSeq
+    from hybrid.serving.slots import StateSlots
 
-    def checked(self, xBC, dt, mask, state, record):
-        seen.append(state.ssm.untyped_storage().data_ptr() in pools
-                    and state.conv.untyped_storage().data_ptr() in conv_pools)
-        return original(self, xBC, dt, mask, state, record)
+    config = model.config
+    layer = config.hybrid_override_pattern.index("M")
+    mixer = model.backbone.layers[layer].mixer
+    g = torch.Generator().manual_seed(len(lengths))
+    slots = StateSlots(config, len(lengths) + 2, torch.float32)
+    for conv, ssm in zip(slots.conv, slots.ssm):
+        conv.copy_(torch.randn(conv.shape, generator=g))
+        ssm.copy_(torch.randn(ssm.shape, generator=g))
+    before = [(c.clone(), s.clone()) for c, s in zip(slots.conv, slots.ssm)]
+    cache = PagedCache(config, BlockPool(config, 64, 4, torch.float32), slots)
+    slot_of = [len(lengths) + 1 - i for i in range(len(lengths))]  # slots in another order than the rows
+    cache.schedule([ScheduledSeq(list(range(16)), slot, 3, n) for slot, n in zip(slot_of, lengths)])
+    x = torch.randn(1, sum(lengths), config.hidden_size, generator=g)
+    with torch.inference_mode():
+        got = mixer(x, cache.begin(1, sum(lengths), None), cache.layer(layer))
+        start = 0
+        for slot, n in zip(slot_of, lengths):
+            state = MambaState(conv=before[0][0][slot:slot + 1].clone(), ssm=before[0][1][slot:slot + 1].clone())
+            want = mixer(x[:, start:start + n], None, state)
+            torch.testing.assert_close(got[:, start:start + n], want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(slots.conv[0][slot], state.conv[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(slots.ssm[0][slot], state.ssm[0], rtol=1e-5, atol=1e-5)
+            start += n
+    for other in set(range(slots.num_slots)) - set(slot_of):
+        assert torch.equal(slots.conv[0][other], before[0][0][other]) and torch.equal(slots.ssm[0][other], before[0][1][other])
 
-    monkeypatch.setattr(Mamba2Mixer, "_mix", checked)
-    prompts = random_prompts(4, 3, 20, seed=7)
-    got = engine.generate(prompts, max_tokens=5)
-    monkeypatch.undo()
-    assert seen and all(seen)
-    assert [c.token_ids for c in got] == [alone(model, p, 5) for p in prompts]
+
+def test_pad_groups_batches_close_lengths_and_leaves_long_chunks_alone():
+    from hybrid.layers.mamba2 import pad_groups
+
+    segs = [(0, 0, 26), (1, 26, 52), (2, 52, 452), (3, 452, 480), (4, 480, 500)]
+    groups = pad_groups(segs)
+    assert sorted(s for g in groups for s, _, _ in g) == [0, 1, 2, 3, 4]
+    assert [sorted(s for s, _, _ in g) for g in groups] == [[0, 1, 3, 4], [2]]
+    for group in groups:  # the padded size of a group is within twice its real tokens
+        longest = max(e - b for _, b, e in group)
+        assert len(group) * longest <= 2 * sum(e - b for _, b, e in group)
 
 
 def test_preemption_recomputes_the_youngest_and_changes_no_token(model):

@@ -426,6 +426,34 @@ def test_api_key_and_a_full_queue(served):
         runner.close()
 
 
+def test_the_runner_loop_on_the_callers_thread_serves_until_closed(served):
+    """`hybrid serve`'s arrangement: the engine's loop on this thread (`own_thread=False`), uvicorn on
+    another; a completion through the real server equals `hybrid.generate` alone, and closing the runner
+    (as the server's thread does when uvicorn stops) ends `run`."""
+    engine = Engine(served.model, num_blocks=64, max_num_seqs=2, max_model_len=1024)
+    runner = EngineRunner(engine, own_thread=False)
+    server, thread, url = start(create_app(Server(runner, served.tokenizer, "m")))
+    got = {}
+
+    def client():
+        try:
+            got["r"] = httpx.post(url + "/v1/completions", timeout=60,
+                                  json={"prompt": "The for statement is used to", "max_tokens": 8, "temperature": 0})
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+            runner.close()
+
+    asker = threading.Thread(target=client)
+    asker.start()
+    runner.run()  # returns once the client's thread closed the runner
+    asker.join(timeout=30)
+    ids = served.tokenizer.encode("The for statement is used to")
+    alone = generate_ids(served.model, [ids], max_new_tokens=8)[0].token_ids
+    assert got["r"].status_code == 200
+    assert got["r"].json()["choices"][0]["text"] == served.tokenizer.decode(alone)
+
+
 def test_the_shipped_checkpoint_has_no_chat_template_and_says_so(served):
     engine = Engine(served.model, num_blocks=16, max_num_seqs=1)
     runner = EngineRunner(engine)

@@ -26,6 +26,23 @@ from hybrid.layers.norm import GatedRMSNorm
 from hybrid.ops import causal_conv1d, conv_step, mamba_decode_step, ssd_scan, ssd_step
 
 
+def pad_groups(segments: list[tuple[int, int, int]], max_padding: float = 2.0) -> list[list[tuple[int, int, int]]]:
+    """Groups of packed segments (sequence, start, end) to run as right-padded batches: sorted by length,
+    a segment joins the group of the ones just shorter while the group's padded size (count x longest)
+    stays within `max_padding` x its real tokens. A group of one runs alone."""
+    groups: list[list[tuple[int, int, int]]] = []
+    real = 0
+    for seg in sorted(segments, key=lambda seg: seg[2] - seg[1]):
+        n = seg[2] - seg[1]
+        if groups and (len(groups[-1]) + 1) * n <= max_padding * (real + n):
+            groups[-1].append(seg)
+            real += n
+        else:
+            groups.append([seg])
+            real = n
+    return groups
+
+
 class Mamba2Mixer(nn.Module):
     """Shapes: x [B, T, hidden_size] -> [B, T, hidden_size]; the state in `MambaState` is updated in place."""
 
@@ -78,8 +95,9 @@ class Mamba2Mixer(nn.Module):
                                  self.n_groups)
 
     def _mix_packed(self, xBC, dt, packed, state) -> torch.Tensor:
-        """The recurrences of the packed sequences: every one-token sequence (a decode) in one
-        `_decode` over its slot rows, the others (prompt chunks) one by one on views of their slots."""
+        """The recurrences of the packed sequences: every one-token sequence (a decode) in one `_decode`
+        over its slot rows; the prompt chunks of several sequences, grouped by length (`pad_groups`), each
+        group as one right-padded batch (`_mix_chunks`), a chunk alone on a view of its slot."""
         segments = list(packed.segments())
         singles = [(s, s0) for s, s0, s1 in segments if s1 - s0 == 1]
         ys = {}
@@ -88,10 +106,30 @@ class Mamba2Mixer(nn.Module):
             at = torch.tensor([s0 for _, s0 in singles], device=xBC.device)
             y = self._decode(xBC[0, at], dt[0, at], conv, ssm, index)
             ys = {s: y[j][None, None] for j, (s, _) in enumerate(singles)}
-        for s, s0, s1 in segments:
-            if s not in ys:
+        for group in pad_groups([seg for seg in segments if seg[2] - seg[1] > 1]):
+            if len(group) == 1:
+                s, s0, s1 = group[0]
                 ys[s] = self._mix(xBC[:, s0:s1], dt[:, s0:s1], None, state.seq(s), False)
+            else:
+                ys.update(self._mix_chunks(xBC[0], dt[0], group, state))
         return torch.cat([ys[s] for s, _, _ in segments], dim=1)
+
+    def _mix_chunks(self, xBC, dt, group, state) -> dict[int, torch.Tensor]:
+        """Several sequences' prompt chunks `group` [(sequence, start, end)] of the packed xBC [L, conv_dim],
+        dt [L, nh] as one batch, right-padded to the longest (padded positions get dt = 0 and stay out of
+        the conv window, so each state ends exactly as its chunk alone leaves it); their states are gathered
+        from their slot rows and written back. Returns each sequence's y [1, n, nh, p] fp32."""
+        lengths = torch.tensor([s1 - s0 for _, s0, s1 in group], device=xBC.device)
+        starts = torch.tensor([s0 for _, s0, _ in group], device=xBC.device)
+        steps = torch.arange(int(lengths.max()), device=xBC.device)
+        mask = steps[None, :] < lengths[:, None]  # [S, T]
+        at = torch.where(mask, starts[:, None] + steps[None, :], 0)
+        conv, ssm, index = state.rows([s for s, _, _ in group])
+        batch = MambaState(conv=conv.index_select(0, index), ssm=ssm.index_select(0, index))
+        y = self._mix(xBC[at].masked_fill(~mask[..., None], 0.0), dt[at], mask, batch, False)
+        conv.index_copy_(0, index, batch.conv)
+        ssm.index_copy_(0, index, batch.ssm)
+        return {s: y[j:j + 1, :s1 - s0] for j, (s, s0, s1) in enumerate(group)}
 
     def _mix(self, xBC: torch.Tensor, dt: torch.Tensor, mask: torch.Tensor | None, state: MambaState | None,
              record: bool) -> torch.Tensor:

@@ -98,7 +98,16 @@ def save_prefix_cache(engine: Engine, args) -> None:
 
 
 def serve(args) -> int:
-    """Run the server until interrupted (the `hybrid serve` command)."""
+    """Run the server until interrupted (the `hybrid serve` command): the engine's loop on this (the main)
+    thread, which loaded the model, and uvicorn on another (why: `hybrid.serving.runner`). SIGINT or SIGTERM
+    shuts uvicorn down gracefully (a second one: at once); the engine steps until it has.
+
+    Returns:
+        0, or 1 when uvicorn did not start (e.g. the port is taken: uvicorn says so).
+    """
+    import signal
+    import threading
+
     import torch
     import uvicorn
 
@@ -110,13 +119,31 @@ def serve(args) -> int:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, dtype=args.dtype)
     engine = build_engine(model, args, args.max_num_seqs)
-    runner = EngineRunner(engine, max_queue=args.max_queue)
+    runner = EngineRunner(engine, max_queue=args.max_queue, own_thread=False)
     name = args.served_model_name or Path(str(args.model)).name
-    app = create_app(Server(runner, tokenizer, name, args.api_key))
+    server = uvicorn.Server(uvicorn.Config(create_app(Server(runner, tokenizer, name, args.api_key)),
+                                           host=args.host, port=args.port, log_level="warning"))
+
+    def http() -> None:
+        try:
+            server.run()
+        finally:
+            runner.close()
+
+    def on_signal(signum, frame) -> None:
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    web = threading.Thread(target=http, name="hybrid-http", daemon=True)
     print(f"serving {name} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    web.start()
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        runner.run()
     finally:
-        runner.close()
+        server.should_exit = True
+        web.join(timeout=30)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         save_prefix_cache(engine, args)
-    return 0
+    return 0 if server.started else 1
