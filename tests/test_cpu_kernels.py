@@ -74,7 +74,7 @@ def test_linear_from_packed_bytes_equals_the_dequantized_product(name, shape):
             assert_exact(cpu.linear(xd, q), xd, W)
 
 
-NO_BF16_WEIGHTS = "no bf16-weight kernel in this build (AVX512_BF16 + VBMI, or AVX2 + FMA without AVX-512)"
+NO_BF16_WEIGHTS = "no bf16-weight kernel in this build (AVX-512, or AVX2 + FMA)"
 
 
 @pytest.mark.skipif(not cpu.module().bf16_weights(), reason=NO_BF16_WEIGHTS)

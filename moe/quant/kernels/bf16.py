@@ -4,15 +4,18 @@
 A weight is stored, once, in one of two forms (`pack`), and every product dispatches on the form:
 
     plain    the [out, in] matrix as it is, where the packed-weight extension has its bf16 kernel
-             (`moe.quant.kernels.cpu`: AVX512_BF16 + AVX512_VBMI dot products, or on CPUs without AVX-512,
-             AVX2 + FMA with the weights widened to fp32 in registers, as llama.cpp's AVX2 path does). Inputs
+             (`moe.quant.kernels.cpu`: AVX512_BF16 + AVX512_VBMI dot products, or on AVX-512 CPUs without
+             them and on AVX2 + FMA ones, the weights widened to fp32 in registers, as llama.cpp's AVX2 path
+             does; on a 2-core AVX-512 Xeon without AVX512_BF16, where oneDNN emulates bf16, PyTorch's
+             product of a 4096 x 1024 weight at 16 rows took 2.9 ms against 1.2 in fp32). Inputs
              of up to `DECODE_ROWS` rows (decode) run there, streaming the weight at about 30 GB/s on
              this project's AVX-512 2-core machine where oneDNN's prepacked product reads it at 19-25
              (Nano's 1,856 x 2,688 expert projections, 10,304 x 2,688 Mamba in_proj and 32K x 2,688 head,
              from DRAM), and at 22-34 GB/s on a 2-core AVX2 EPYC where PyTorch's `F.linear` reads 11-18 at
              one row and 1.2-5 at 4-16. Larger inputs run PyTorch's matmul, within 2-14% of oneDNN's
-             prepacked GEMM at 128-512 rows; on AVX2, whose bf16 GEMM in PyTorch is 4-6x slower than its
-             fp32 one, fp32 GEMMs on 8 MB tiles of the weight widened to fp32 (`_fp32_tiles`). Nothing is
+             prepacked GEMM at 128-512 rows; without AVX512_BF16 (AVX2, or AVX-512 alone), where PyTorch's
+             bf16 GEMM is 4-6x slower than its fp32 one, fp32 GEMMs on 8 MB tiles of the weight widened to
+             fp32 (`_fp32_tiles`). Nothing is
              copied: a weight read from a checkpoint stays a view of its read-only memory map (as llama.cpp
              maps its GGUF), so loading does not touch the bytes and the first forward reads them from the
              OS page cache; the model and the page cache share one copy. (The checkpoint files must then not
@@ -68,7 +71,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
         return onednn.linear(x, packed, bias, relu)
     if x.numel() <= DECODE_ROWS * x.shape[-1]:
         return _from_kernel(x, plain_kernel().bf16_linear(_rows(x), packed), bias, relu)
-    if not plain_kernel().bf16_inputs():  # AVX2: PyTorch's bf16 GEMM runs at a fifth of its fp32 one here
+    if not plain_kernel().bf16_inputs():  # no AVX512_BF16: PyTorch's bf16 GEMM runs at a fifth of its fp32 one
         return _from_kernel(x, _fp32_tiles(_rows(x), packed), bias, relu)
     y = F.linear(x, packed, bias)
     return (torch.relu(y) if relu else y).to(torch.bfloat16)

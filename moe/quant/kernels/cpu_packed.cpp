@@ -7,6 +7,8 @@
 //   - "avx512-bf16": bf16 inputs with AVX512_BF16 + AVX512_VBMI (a bf16 model): weights decoded to bf16 by
 //     byte and word table lookups, exact bf16 dot products (`vdpbf16ps`) into fp32 sums; fp32 inputs as below;
 //   - "avx512f": AVX-512 (fp32 inputs; bf16 inputs converted to fp32): weights decoded to fp32, fp32 FMAs;
+//     bf16 weights widened to fp32 by a shift, 16 at a time (on such CPUs oneDNN's bf16 products, emulated,
+//     read a weight at a fifth of this speed);
 //   - "avx2-fma": AVX2 + FMA + F16C, no AVX-512 (most desktop and laptop CPUs; fp32 inputs): E4M3 decoded
 //     through fp16 (`vcvtph2ps`), E2M1 by an 8-entry `vpermps` table, 8-wide fp32 FMAs; bf16 weights (the
 //     plain form of moe/quant/kernels/bf16.py) widened to fp32 by a shift, bf16 inputs widened once;
@@ -38,6 +40,9 @@
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HYBRID_AVX2 1
 #endif
+#if defined(__AVX512F__) && !defined(HYBRID_BF16_DOT)
+#define HYBRID_BF16_WIDEN512 1  // bf16 weights widened to fp32 in registers (AVX-512 without AVX512_BF16)
+#endif
 
 namespace {
 
@@ -50,7 +55,7 @@ bool bf16_inputs() {
 }
 
 bool bf16_weights() {  // whether bf16_linear (bf16 weights, no decoding) was compiled
-#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2)
+#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2) || defined(HYBRID_BF16_WIDEN512)
   return true;
 #else
   return false;
@@ -529,10 +534,54 @@ void bf16_tile_avx2(const uint16_t* const* w, int64_t ldw, const float* x, int64
 #endif
 
 // ---------------------------------------------------------------------------------------------- bf16 weights
-#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2)
+#if defined(HYBRID_BF16_WIDEN512)
+// part[j][r] = sum_{i < len} x[r * ldx + i] * bf16(w[j][i]) on AVX-512 without AVX512_BF16: 16 weights at a
+// time widened to fp32 by a zero-extension and a 16-bit shift (exact), fp32 FMAs (exact products, fp32
+// sums, as `vdpbf16ps`'s), two 16-element steps per 64 bytes of a weight row and one prefetch of the next
+// tile's (`ldw`: elements per weight row).
+template <int NT, int RT>
+void bf16_tile_avx512(const uint16_t* const* w, int64_t ldw, const float* x, int64_t ldx, int64_t len,
+                      float part[kTileN][kTileR]) {
+  __m512 acc[NT][RT];
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_setzero_ps();
+  const auto widen = [](const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  };
+  const int64_t len32 = len & ~int64_t{31}, len16 = len & ~int64_t{15};
+  for (int64_t i = 0; i < len32; i += 32) {
+    __m512 x0[RT], x1[RT];
+    for (int r = 0; r < RT; ++r) x0[r] = _mm512_loadu_ps(x + r * ldx + i), x1[r] = _mm512_loadu_ps(x + r * ldx + i + 16);
+    for (int j = 0; j < NT; ++j) {
+      prefetch_next_tile(reinterpret_cast<const uint8_t*>(w[j] + i), NT * 2 * ldw);
+      const __m512 w0 = widen(w[j] + i), w1 = widen(w[j] + i + 16);
+      for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_fmadd_ps(x1[r], w1, _mm512_fmadd_ps(x0[r], w0, acc[j][r]));
+    }
+  }
+  for (int64_t i = len32; i < len16; i += 16)
+    for (int j = 0; j < NT; ++j) {
+      const __m512 w0 = widen(w[j] + i);
+      for (int r = 0; r < RT; ++r) acc[j][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * ldx + i), w0, acc[j][r]);
+    }
+  for (int j = 0; j < NT; ++j)
+    for (int r = 0; r < RT; ++r) {
+      float s = _mm512_reduce_add_ps(acc[j][r]);
+      for (int64_t i = len16; i < len; ++i) {
+        uint32_t u = static_cast<uint32_t>(w[j][i]) << 16;
+        float f;
+        std::memcpy(&f, &u, sizeof f);
+        s += x[r * ldx + i] * f;
+      }
+      part[j][r] = s;
+    }
+}
+#endif
+
+#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2) || defined(HYBRID_BF16_WIDEN512)
 // One product x [R, K] bf16 @ w [N, K] bf16 .T -> y [R, N] fp32 (exact products, fp32 sums), tile by tile:
-// `vdpbf16ps` on bf16 x where AVX512_BF16 was compiled; on AVX2, x widened to fp32 once and the weights in
-// registers (`bf16_rows_avx2`)
+// `vdpbf16ps` on bf16 x where AVX512_BF16 was compiled; otherwise x widened to fp32 once and the weights in
+// registers (`bf16_tile_avx512`, `bf16_rows_avx2`)
 struct Bf16Product {
   torch::Tensor x, w, y;
   int64_t R, K, N, tiles;
@@ -567,6 +616,8 @@ struct Bf16Product {
       const auto* x0 = xp + r0 * K;
 #if defined(HYBRID_BF16_DOT)
       with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_dot<TILE_ARGS>(wr, K, x0, K, K, part); });
+#elif defined(HYBRID_BF16_WIDEN512)
+      with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_avx512<TILE_ARGS>(wr, K, x0, K, K, part); });
 #else
       with_tile(nt, rt, [&](auto NT, auto RT) { bf16_tile_avx2<TILE_ARGS>(wr, K, x0, K, K, part); });
 #endif
@@ -852,12 +903,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp4_linear", &fp4_linear, "x [R, K] fp32 (or bf16) @ NVFP4 / MXFP4 weight.T -> [R, N] fp32");
   m.def("fp8_linear_group", &fp8_linear_group, "[x_g @ FP8 W_g.T for each g] in one parallel loop");
   m.def("fp4_linear_group", &fp4_linear_group, "[x_g @ NVFP4 / MXFP4 W_g.T for each g] in one parallel loop");
-#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2)
+#if defined(HYBRID_BF16_DOT) || defined(HYBRID_AVX2) || defined(HYBRID_BF16_WIDEN512)
   m.def("bf16_linear", &bf16_linear, "x [R, K] bf16 @ bf16 weight.T -> [R, N] fp32");
   m.def("bf16_linear_group", &bf16_linear_group, "[x_g @ w_g.T for each g] in one parallel loop (bf16 -> fp32)");
 #endif
   m.def("avx512", &avx512, "whether the AVX-512 path was compiled");
   m.def("path", &path, "the path compiled: avx512-bf16, avx512f, avx2-fma or scalar");
-  m.def("bf16_weights", &bf16_weights, "whether bf16_linear was compiled (AVX512_BF16 + VBMI, or AVX2 + FMA)");
+  m.def("bf16_weights", &bf16_weights, "whether bf16_linear was compiled (AVX-512, or AVX2 + FMA)");
   m.def("bf16_inputs", &bf16_inputs, "whether bfloat16 inputs are taken (AVX512_BF16 + VBMI dot products)");
 }
