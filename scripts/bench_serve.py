@@ -33,23 +33,25 @@ threads (a preset's checkpoint is built once by `bench.make_checkpoint`):
   first token, against one prefill chunk's time (the slowest 512-token chunk, the server's
   `max_num_batched_tokens`, of the same prompt alone) plus one decode step of `--streams` sequences, both
   measured after the server stopped, on `hybrid.serving.engine.Engine` with the server's settings;
-- **soak** (`--soak N`, default 1000): N requests of `--soak-max-tokens` (16) new tokens from
-  `--soak-clients` (16) clients over the target level's prompts, 10% of them closing the connection
-  mid-stream (after a random number of events). Every completed response must be greedy: equal to the
-  lone reference of its prompt (with its finish reason), or else, replayed on the model alone
-  (`GreedyVerifier`: in bf16 a batched forward rounds differently from a lone one, so on random weights,
-  whose logits are nearly flat, a correct greedy path may part from the lone one at a near-tie), made of
-  tokens each within `--tie-tolerance` standard deviations of its position's logits of the largest.
-  Afterwards `/metrics` must show every KV block and state slot free and nothing running or waiting, and
-  the server's resident memory must be back within `--rss-tolerance` (5%, at least 64 MB) of its level
-  before the soak (after every earlier phase warmed it). The tokens generated for disconnected requests
-  after they left (from `/metrics`) are reported.
+- **correctness** (unless `--soak 0`), in `--check-dtype` (fp32: there a batched forward gives exactly the
+  tokens of a lone one; in bf16 it rounds differently, and on random weights, whose logits are nearly
+  flat, greedy paths part at the first near-tie, so bf16 responses are only counted against their lone
+  references): the lone greedy responses (`--soak-max-tokens`, 16 new tokens) of the target level's
+  requests through `hybrid.generate`, then a fresh server of that dtype: the same requests from the
+  target level's clients at once, each response equal to its reference (text and finish reason), and the
+  **soak** (`--soak N`, default 1000): N requests from `--soak-clients` (16) clients over those prompts,
+  10% of them closing the connection mid-stream (after a random number of events), every completed
+  response equal to its reference. Afterwards `/metrics` must show every KV block and state slot free and
+  nothing running or waiting, and the server's resident memory must be back within `--rss-tolerance` (5%,
+  at least 64 MB) of its level before the soak (after the concurrent requests warmed it). The tokens
+  generated for disconnected requests after they left (from `/metrics`) are reported.
 
-The in-process parts (sequential, batch-1 decode, chunk and step, replays) run on the main thread, the one
-that loaded the model, as the server runs its engine (`hybrid.serving.runner` says why). Targets, printed as pass / fall short with their ratios: at the
-target level aggregate decode tok/s >= 3x batch-1 decode, total throughput >= 4x the sequential run, p99
-TTFT with the system prompt cached <= 0.2 s, throughput >= llama.cpp's server at the same level; p99 ITL
-during the long prefill <= one chunk + one step; the soak's checks. Nothing asserts a time: the ratios come
+The in-process parts (sequential, batch-1 decode, chunk and step, references) run on the main thread, the
+one that loaded the model, as the server runs its engine (`hybrid.serving.runner` says why). Targets,
+printed as pass / fall short with their ratios: at the target level aggregate decode tok/s >= 3x batch-1
+decode, total throughput >= 4x the sequential run, p99 TTFT with the system prompt cached <= 0.2 s,
+throughput >= llama.cpp's server at the same level; p99 ITL during the long prefill <= one chunk + one
+step; the correctness phase's checks. Nothing asserts a time: the ratios come
 from one run. JSON goes to `--out`; the servers' logs to `--workdir`/serve-bench-logs.
 """
 
@@ -498,7 +500,7 @@ def wait_idle(url: str, timeout: float = 60) -> dict[str, float]:
 
 
 def run_soak(server: ServerProcess, model: str, prompts: Prompts, references: dict[int, dict], n: int, clients: int,
-             max_tokens: int, tolerance: float, seed: int = 0) -> tuple[list[Response], dict]:
+             max_tokens: int, tolerance: float, seed: int = 0) -> dict:
     """`n` requests over the prompts of `references`, a tenth of them disconnecting mid-stream; then the
     checks of the module docstring (the responses and the figures)."""
     rng = random.Random(seed)
@@ -524,7 +526,7 @@ def run_soak(server: ServerProcess, model: str, prompts: Prompts, references: di
     generated = after["generation_tokens_total"] - before["generation_tokens_total"]
     received = sum(r.tokens(max_tokens) if not r.disconnected else len(r.events) for r in responses if r.error is None)
     limit = max(tolerance * rss_before, 64e6) if rss_before else None
-    return responses, {
+    return {
         "requests": n, "clients": clients, "max_tokens": max_tokens, "wall_s": wall,
         "disconnected": sum(r.disconnected for r in responses),
         "errors": sum(r.error is not None for r in responses),
@@ -539,6 +541,48 @@ def run_soak(server: ServerProcess, model: str, prompts: Prompts, references: di
         "rss_before_bytes": rss_before, "rss_after_bytes": rss_after, "rss_limit_bytes": limit,
         "rss_back": None if limit is None or rss_after is None else rss_after - rss_before <= limit,
     }
+
+
+def server_command(args, directory: Path, port: int, dtype: str) -> list[str]:
+    """`hybrid serve` on `directory` with the bench's threads, slots and queue, in `dtype`."""
+    hybrid_cmd = Path(sys.executable).parent / "hybrid"
+    cmd = [str(hybrid_cmd)] if hybrid_cmd.exists() else [sys.executable, "-m", "hybrid.cli"]
+    return cmd + ["serve", str(directory), "--port", str(port), "--threads", str(args.threads), "--dtype", dtype,
+                  "--max-num-seqs", str(max(args.clients + [args.soak_clients, args.streams + 1])),
+                  "--max-queue", str(max(args.clients + [args.soak_clients]) + 16)]
+
+
+def check_references(model, tokenizer, prompts: Prompts, indices: list[int], max_tokens: int) -> dict[int, dict]:
+    """The lone greedy responses of the requests `indices` (`run_sequential`'s), the correctness phase's
+    references."""
+    return run_sequential(model, tokenizer, prompts, indices, 0, max_tokens)["references"]
+
+
+def run_check_and_soak(args, directory: Path, tokenizer, prompts: Prompts, clients: int, indices: list[int],
+                       log_dir: Path) -> tuple[dict, dict]:
+    """The correctness phase, in `args.check_dtype` (see the module docstring): the references of the requests
+    `indices` through `hybrid.generate` alone, then a server of that dtype: those requests from `clients`
+    clients at once (compared with the references; this also warms the server) and the soak. Returns the
+    figures of both."""
+    import hybrid
+
+    log(f"correctness in {args.check_dtype}: {len(indices)} lone references through hybrid.generate ...")
+    model, _ = hybrid.load(directory, dtype=args.check_dtype, progress=False)
+    references = check_references(model, tokenizer, prompts, indices, args.soak_max_tokens)
+    del model
+    port = free_port()
+    server = ServerProcess(f"hybrid serve ({args.check_dtype})", server_command(args, directory, port, args.check_dtype),
+                           f"http://127.0.0.1:{port}", log_dir / "hybrid-serve-check.log")
+    try:
+        run = run_levels(server, directory.name, prompts, [(clients, indices)], args.soak_max_tokens, 0, metrics=True)
+        check = {"dtype": args.check_dtype, "clients": clients, "requests": len(indices),
+                 **check_responses(run["levels"][str(clients)]["responses"], references)}
+        log(f"soak: {args.soak} requests ...")
+        soak = run_soak(server, directory.name, prompts, references, args.soak, args.soak_clients,
+                        args.soak_max_tokens, args.rss_tolerance)
+    finally:
+        server.stop()
+    return check, {"dtype": args.check_dtype, **soak}
 
 
 def check_responses(responses: list[Response], references: dict[int, dict]) -> dict:
@@ -624,16 +668,6 @@ def run_sequential(model, tokenizer, prompts: Prompts, indices: list[int], warmu
             "batch1_decode_tok_s": b1.decode_tokens_per_s, "references": references}
 
 
-def truncated(reference: dict, max_tokens: int, tokenizer) -> dict:
-    """The greedy reference of the same prompt with `max_tokens` new tokens: its first tokens (greedy
-    decoding does not look ahead), their text as `hybrid.generate` makes it (a stop token ends it, unsent)."""
-    ids = reference["token_ids"][:max_tokens]
-    stop = next((k for k, t in enumerate(ids) if t in tokenizer.stop_ids), None)
-    body = ids if stop is None else ids[:stop]
-    return {"text": tokenizer.decode(body), "finish_reason": "length" if stop is None else "stop",
-            "tokens": len(ids if stop is None else ids[:stop + 1])}
-
-
 @torch.inference_mode()
 def measure_chunk_and_step(model, tokenizer, prompts: Prompts, indices: list[int], steps: int = 8) -> dict:
     """On `Engine` with the server's settings: the time of each prefill chunk of the long prompt alone, and
@@ -667,98 +701,6 @@ def measure_chunk_and_step(model, tokenizer, prompts: Prompts, indices: list[int
             "chunk_max_s": max(full), "decode_step_seqs": len(indices), "decode_step_s": statistics.median(decode)}
 
 
-class GreedyVerifier:
-    """Whether a response's text is a greedy continuation of its prompt up to near-ties, by replaying it on
-    the model alone: at every position the token taken must be consistent with the text and have a logit
-    within `tolerance` standard deviations of that position's logits of the largest (the best such token
-    is taken). In bf16 a batched forward rounds
-    differently from a lone one, so on random weights (nearly flat logits) a server's greedy path may part
-    from the lone reference at a near-tie and go on from there, correctly: equality with the reference
-    cannot tell that from a wrong token, this can. Each replay costs one lone generation of the response.
-    The system prompt's state is computed once and restored for every replay."""
-
-    def __init__(self, model, tokenizer, system: str, tolerance: float):
-        self.model, self.tokenizer, self.tolerance = model, tokenizer, tolerance
-        self.stop_ids = set(tokenizer.stop_ids)
-        ids = tokenizer.encode(system)
-        self.system_len = len(ids)
-        cache = model.new_cache(1, len(ids))
-        with torch.inference_mode():
-            for s in range(0, len(ids), SERVER_CHUNK):
-                model(torch.tensor([ids[s:s + SERVER_CHUNK]]), cache, logits_to_keep=1)
-        self.kv, self.mamba = cache.snapshot_kv(0, 0, len(ids)), cache.snapshot_mamba(0)
-
-    @torch.inference_mode()
-    def check(self, prompt: str, text: str, finish_reason: str | None, tokens: int | None) -> dict:
-        """{"ok", "ties" (positions where a token other than the lone argmax was taken), "max_gap" (the
-        largest logit gap so taken, in standard deviations of its position's logits), "failed_at" (the token
-        position with no consistent near-best token)}."""
-        ids = self.tokenizer.encode(prompt)
-        n = tokens or len(ids)  # the usage count (the stop token included) when the server sent it
-        limit = n if finish_reason == "length" else n + 1
-        cache = self.model.new_cache(1, len(ids) + n + 8)
-        cache.restore(0, self.system_len, self.kv, self.mamba)
-        logits = self.model(torch.tensor([ids[self.system_len:]]), cache, logits_to_keep=1)[0, -1].float()
-        out, ties, max_gap = [], 0, 0.0
-        while True:
-            top = logits.topk(min(16, logits.numel()))
-            best, scale = float(top.values[0]), max(float(logits.std()), 1e-12)
-            chosen = None
-            for value, token in zip(top.values.tolist(), top.indices.tolist()):
-                if best - value > self.tolerance * scale:
-                    break
-                if token in self.stop_ids:  # the text must end here, with reason stop
-                    if finish_reason == "stop" and self.tokenizer.decode(out) == text:
-                        chosen = token
-                        break
-                    continue
-                if text.startswith(self.tokenizer.decode(out + [token]).rstrip("\ufffd")):
-                    chosen = token
-                    break
-            if chosen is None:
-                return {"ok": False, "ties": ties, "max_gap": max_gap, "failed_at": len(out)}
-            if chosen != int(top.indices[0]):
-                ties += 1
-                max_gap = max(max_gap, (best - float(logits[chosen])) / scale)
-            if chosen in self.stop_ids:
-                return {"ok": True, "ties": ties, "max_gap": max_gap, "failed_at": None}
-            out.append(chosen)
-            if len(out) >= limit or (tokens is None and self.tokenizer.decode(out) == text and finish_reason == "length"):
-                ok = self.tokenizer.decode(out) == text and finish_reason == "length"
-                return {"ok": ok, "ties": ties, "max_gap": max_gap, "failed_at": None if ok else len(out)}
-            logits = self.model(torch.tensor([[chosen]]), cache)[0, -1].float()
-
-
-def verify_mismatches(verifier: GreedyVerifier, prompts: Prompts, responses: list[Response], references: dict[int, dict],
-                      limit: int) -> dict:
-    """Replay (`GreedyVerifier`) each distinct completed response that differs from its reference, at most
-    `limit` of them; the counts of those that are greedy up to near-ties and of those that are wrong."""
-    distinct = {}
-    for r in responses:
-        if r.error is None and not r.disconnected and r.index in references:
-            ref = references[r.index]
-            if (r.text, r.finish_reason) != (ref["text"], ref["finish_reason"]):
-                distinct.setdefault((r.index, r.text, r.finish_reason), []).append(r)
-    near = wrong = unverified = ties = 0
-    max_gap, failures = 0.0, []
-    for k, ((index, text, finish), group) in enumerate(distinct.items()):
-        if k >= limit:
-            unverified += len(group)
-            continue
-        v = verifier.check(prompts.prompt(index), text, finish, group[0].completion_tokens)
-        if v["ok"]:
-            near += len(group)
-            ties += v["ties"]
-            max_gap = max(max_gap, v["max_gap"])
-        else:
-            wrong += len(group)
-            if len(failures) < 5:
-                failures.append({"prompt": index, "failed_at_token": v["failed_at"], "got": text[:120],
-                                 "want": references[index]["text"][:120]})
-    return {"greedy_up_to_ties": near, "wrong": wrong, "unverified": unverified, "replayed": min(len(distinct), limit),
-            "ties": ties, "max_tie_gap": max_gap, "failures": failures}
-
-
 # ---------------------------------------------------------------------------------------------- report
 def targets(report: dict) -> list[dict]:
     out = []
@@ -786,13 +728,15 @@ def targets(report: dict) -> list[dict]:
         bound = cost["chunk_max_s"] + cost["decode_step_s"]
         add(f"p99 ITL during a {long['long_prompt_tokens']}-token prefill / (chunk + step)", long["itl_p99_s"] / bound,
             1.0, below=True, note=f"{long['itl_p99_s']:.3f} s / ({cost['chunk_max_s']:.3f} + {cost['decode_step_s']:.3f} s)")
+    check = report.get("check")
+    if check:
+        add(f"{check['clients']} clients at once ({check['dtype']}): responses equal to the lone ones (fraction)",
+            check["equal"] / max(check["compared"], 1), 1.0, note=f"{check['equal']} of {check['compared']}")
     soak = report.get("soak")
     if soak:
-        add("soak: completed responses greedy (fraction)", (soak["equal"] + soak["greedy_up_to_ties"]) / max(soak["compared"], 1)
-            if soak["compared"] and not soak["unverified"] else 0.0, 1.0,
-            note=f"{soak['equal']} equal to the lone reference + {soak['greedy_up_to_ties']} greedy up to near-ties of "
-                 f"{soak['compared']}; {soak['wrong']} wrong, {soak['unverified']} unverified; {soak['disconnected']} "
-                 f"disconnected, {soak['errors']} errors")
+        add(f"soak ({soak['dtype']}): completed responses equal to the lone ones (fraction)",
+            soak["equal"] / max(soak["compared"], 1), 1.0,
+            note=f"{soak['equal']} of {soak['compared']}; {soak['disconnected']} disconnected, {soak['errors']} errors")
         add("soak: KV blocks and state slots in use after", sum(soak["after"].values()), 0, below=True,
             note=", ".join(f"{k} {v:g}" for k, v in soak["after"].items()))
         if soak["rss_back"] is not None:
@@ -834,11 +778,10 @@ def print_report(report: dict) -> None:
     s = report["sequential"]
     level = report["ours"]["levels"][str(report["target_level"])]
     if "equal_to_reference" in level:
-        replay = level.get("replay")
         print(f"hybrid serve, {level['clients']} clients: {level['equal_to_reference']} of {level['requests']} responses "
-              "equal to the sequential (lone greedy) ones" + (
-                  f"; the others: {replay['greedy_up_to_ties']} greedy up to {replay['ties']} near-ties (largest gap "
-                  f"{replay['max_tie_gap']:.4f}), {replay['wrong']} wrong, {replay['unverified']} unverified" if replay else ""))
+              f"equal to the sequential (lone greedy) ones" + ("" if report["dtype"] == report["check_dtype"] else
+              f" ({report['dtype']} rounds a batch differently from a lone forward; exact check in "
+              f"{report['check_dtype']} below)"))
     print(f"sequential hybrid.generate, prefix cache on: {s['requests']} requests in {s['wall_s']:.2f} s, "
           f"{s['tok_s']:.1f} tok/s (decode {_f(s['decode_tok_s_median'], '.1f')} tok/s); batch-1 decode "
           f"(generate_ids): {s['batch1_decode_tok_s']:.1f} tok/s")
@@ -853,24 +796,28 @@ def print_report(report: dict) -> None:
         print(f"engine alone: a {cost['chunk_tokens']}-token prefill chunk of it {cost['chunk_median_s']:.3f} s median, "
               f"{cost['chunk_max_s']:.3f} s slowest ({cost['chunks']} chunks); a decode step of "
               f"{cost['decode_step_seqs']} sequences {cost['decode_step_s']:.3f} s")
+    check = report.get("check")
+    if check:
+        print(f"correctness in {check['dtype']}: {check['requests']} requests from {check['clients']} clients at once, "
+              f"{check['equal']} of {check['compared']} equal to their lone greedy references")
     soak = report.get("soak")
     if soak:
-        print(f"soak: {soak['requests']} requests of {soak['max_tokens']} new tokens from {soak['clients']} clients in "
+        print(f"soak ({soak['dtype']}): {soak['requests']} requests of {soak['max_tokens']} new tokens from {soak['clients']} clients in "
               f"{soak['wall_s']:.1f} s, "
               f"{soak['disconnected']} disconnected mid-stream, {soak['errors']} errors; of {soak['compared']} completed "
-              f"responses {soak['equal']} equal their lone greedy reference, {soak['greedy_up_to_ties']} are greedy up to "
-              f"{soak['ties']} near-ties (largest logit gap {soak['max_tie_gap']:.4f}, tolerance {report['tie_tolerance']}), "
-              f"{soak['wrong']} wrong, {soak['unverified']} unverified; after: "
+              f"responses {soak['equal']} equal their lone greedy reference; after: "
               + ", ".join(f"{k} {v:g}" for k, v in soak["after"].items())
               + f" (of {soak['kv_blocks_total']:g} blocks, {soak['state_slots_total']:g} slots); RSS "
               f"{_f(soak['rss_before_bytes'] and soak['rss_before_bytes'] / 1e6, ',.0f')} -> "
               f"{_f(soak['rss_after_bytes'] and soak['rss_after_bytes'] / 1e6, ',.0f')} MB; tokens generated after "
               f"disconnects: {soak['tokens_after_disconnects']:g}")
-        for m in soak["failures"]:
-            print(f"  wrong: prompt {m['prompt']} at token {m['failed_at_token']}: got {m['got']!r}, want {m['want']!r}")
+    for phase in ("check", "soak"):
+        for m in (report.get(phase) or {}).get("mismatches", []):
+            print(f"  {phase}: prompt {m['prompt']} differs after {m['common_chars']} characters: got {m['got']!r}, "
+                  f"want {m['want']!r}")
     for t in report["targets"]:
         goal = ("<= " if t["below"] else ">= ") + format(t["goal"], "g")
-        print(f"  {t['target']:58} {t['value']:>9} (goal {goal}): {'pass' if t['pass'] else 'fall short'}"
+        print(f"  {t['target']:72} {t['value']:>9} (goal {goal}): {'pass' if t['pass'] else 'fall short'}"
               + (f"  [{t['note']}]" if t["note"] else ""))
 
 
@@ -895,14 +842,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak", type=int, default=None, help="soak requests (default 1000; 0: no soak)")
     p.add_argument("--soak-clients", type=int, default=None, help="clients of the soak (default 16)")
     p.add_argument("--soak-max-tokens", type=int, default=None,
-                   help="new tokens per soak request (default 16; its references: the first tokens of the sequential ones)")
+                   help="new tokens per request of the correctness phase (default 16)")
     p.add_argument("--rss-tolerance", type=float, default=0.05,
                    help="the soak's RSS growth allowed, a fraction of its level before (at least 64 MB)")
-    p.add_argument("--tie-tolerance", type=float, default=0.2,
-                   help="a response that left its lone reference is still greedy where each token it took instead of "
-                        "the lone argmax has a logit within this many standard deviations of the position's logits "
-                        "of the largest (default 0.2: about the gap to the runner-up of a random 8K vocabulary)")
-    p.add_argument("--verify-max", type=int, default=200, help="distinct responses replayed at most (GreedyVerifier)")
+    p.add_argument("--check-dtype", choices=["bf16", "fp32"], default="fp32",
+                   help="the dtype of the correctness phase's server and references (default fp32, where a batched "
+                        "forward gives exactly the lone tokens)")
     p.add_argument("--no-peer", action="store_true", help="leave llama.cpp's server out")
     p.add_argument("--peer-tool", default=str(PEER_TOOL), help="the optional external llamacpp-peer script")
     p.add_argument("--peer-requests", type=int, default=None,
@@ -954,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     target_indices = dict(plan)[target]
     report = {"model": str(args.checkpoint or args.preset), "dtype": args.dtype, "threads": args.threads,
               "max_tokens": args.max_tokens, "clients": args.clients, "target_level": target,
-              "tie_tolerance": args.tie_tolerance,
+              "check_dtype": args.check_dtype,
               "prompts": {"system_tokens": prompts.system_tokens, "long_tokens": prompts.long_tokens,
                           "prefix_stable": prompts.prefix_stable,
                           "question_tokens": [len(tokenizer.encode(prompts.questions[i], add_special_tokens=False))
@@ -972,20 +917,15 @@ def main(argv: list[str] | None = None) -> int:
 
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
-    hybrid_cmd = Path(sys.executable).parent / "hybrid"
-    cmd = [str(hybrid_cmd)] if hybrid_cmd.exists() else [sys.executable, "-m", "hybrid.cli"]
-    cmd += ["serve", str(directory), "--port", str(port), "--threads", str(args.threads), "--dtype", args.dtype,
-            "--max-num-seqs", str(max(args.clients + [args.soak_clients, args.streams + 1])),
-            "--max-queue", str(max(args.clients + [args.soak_clients]) + 16)]
     log_dir = args.workdir / "serve-bench-logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     log(f"hybrid serve on {url} ...")
-    server = ServerProcess("hybrid serve", cmd, url, log_dir / "hybrid-serve.log")
+    server = ServerProcess("hybrid serve", server_command(args, directory, port, args.dtype), url,
+                           log_dir / "hybrid-serve.log")
     name = directory.name
     try:
         report["server_rss_after_start_bytes"] = server.rss()
         report["ours"] = run_levels(server, name, prompts, plan, args.max_tokens, 0, metrics=True)
-        target_responses = report["ours"]["levels"][str(target)]["responses"]
         for level in report["ours"]["levels"].values():  # the target level's prompts have references
             check = check_responses(level.pop("responses"), references)
             if check["compared"]:
@@ -995,36 +935,17 @@ def main(argv: list[str] | None = None) -> int:
         wait_idle(url)
         report["long_prompt"] = run_long_prompt(server, name, prompts, stream_indices, args.max_tokens)
         checkpoint("the long prompt")
-        if args.soak:
-            log(f"soak: {args.soak} requests ...")
-            soak_references = {i: truncated(ref, args.soak_max_tokens, tokenizer) for i, ref in references.items()}
-            soak_responses, report["soak"] = run_soak(server, name, prompts, soak_references, args.soak,
-                                                      args.soak_clients, args.soak_max_tokens, args.rss_tolerance)
-            checkpoint("the soak")
         report["server_peak_rss_bytes"] = server.overall_peak()
     finally:
         server.stop()
     log("chunk and step times on the engine alone ...")
     report["chunk_and_step"] = measure_chunk_and_step(model, tokenizer, prompts, stream_indices)
-    mismatched = [r for r, refs in [(r, references) for r in target_responses]
-                  + [(r, soak_references) for r in (soak_responses if args.soak else [])]
-                  if r.error is None and not r.disconnected and r.index in refs
-                  and (r.text, r.finish_reason) != (refs[r.index]["text"], refs[r.index]["finish_reason"])]
-    level, soak = report["ours"]["levels"][str(target)], report.get("soak")
-    if mismatched:
-        log(f"replaying {len(mismatched)} responses that differ from their lone references ...")
-        verifier = GreedyVerifier(model, tokenizer, prompts.system, args.tie_tolerance)
-        level["replay"] = verify_mismatches(verifier, prompts, target_responses, references, args.verify_max)
-        if soak:
-            soak.update(verify_mismatches(verifier, prompts, soak_responses, soak_references, args.verify_max))
-    if soak:
-        soak.setdefault("greedy_up_to_ties", 0)
-        for key, empty in (("wrong", 0), ("unverified", 0), ("replayed", 0), ("ties", 0), ("max_tie_gap", 0.0),
-                           ("failures", [])):
-            soak.setdefault(key, empty)
-        soak["correct"] = soak["compared"] > 0 and soak["wrong"] == 0 and soak["unverified"] == 0
     del model
-    checkpoint("the replays")
+    checkpoint("the chunk and step times")
+    if args.soak:
+        report["check"], report["soak"] = run_check_and_soak(args, directory, tokenizer, prompts, target,
+                                                             target_indices, log_dir)
+        checkpoint("the soak")
 
     if not args.no_peer:
         log("llama.cpp: the GGUF (converted once) ...")

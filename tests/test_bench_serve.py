@@ -25,26 +25,26 @@ def _positive(x) -> bool:
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """`bench_serve.py --quick`, run in this process (its server is a process of its own), with the soak
-    reference of one prompt made wrong: the server's responses to it then differ from it, so they must be
-    replayed (`GreedyVerifier`) and found greedy, while every other response equals its reference."""
+    """`bench_serve.py --quick`, run in this process (its servers are processes of their own), with the
+    correctness phase's reference of one prompt made wrong: the server's responses to it must then be
+    counted as differing from it, and every other response as equal to its reference."""
     tmp = tmp_path_factory.mktemp("serve_bench")
     out = tmp / "serve_bench.json"
-    original, calls = bench_serve.truncated, []
+    original, calls = bench_serve.check_references, []
 
-    def truncated(reference, max_tokens, tokenizer):
-        ref = original(reference, max_tokens, tokenizer)
-        calls.append(ref)
-        if len(calls) == 1:  # the first soak prompt's
-            ref = {**ref, "text": ref["text"] + " (not what the model says)"}
-        return ref
+    def check_references(model, tokenizer, prompts, indices, max_tokens):
+        refs = original(model, tokenizer, prompts, indices, max_tokens)
+        calls.append(refs)
+        first = min(refs)
+        refs[first] = {**refs[first], "text": refs[first]["text"] + " (not what the model says)"}
+        return refs
 
     stdout = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(stdout):
-        mp.setattr(bench_serve, "truncated", truncated)
+        mp.setattr(bench_serve, "check_references", check_references)
         code = bench_serve.main(["--quick", "--threads", "2", "--workdir", str(tmp / "work"), "--out", str(out)])
-    assert code == 0 and len(calls) == 8
-    return json.loads(out.read_text()), stdout.getvalue(), tmp / "work" / "tiny"
+    assert code == 0 and len(calls) == 1 and len(calls[0]) == 8
+    return json.loads(out.read_text()), stdout.getvalue(), min(calls[0])
 
 
 def test_quick_levels_have_real_numbers(quick):
@@ -85,15 +85,21 @@ def test_quick_long_prompt_and_targets(quick):
     assert stdout.count("pass") + stdout.count("fall short") == len(report["targets"])
 
 
-def test_quick_soak_compares_responses_and_frees_everything(quick):
-    report, _, _ = quick
-    soak = report["soak"]
+def test_quick_correctness_phase_compares_responses_and_frees_everything(quick):
+    report, stdout, spoilt = quick
+    check, soak = report["check"], report["soak"]
+    assert check["dtype"] == soak["dtype"] == "fp32" and check["clients"] == 4 and check["requests"] == 8
+    # 8 requests at once: all equal to their lone references but the one whose reference was spoilt
+    assert check["compared"] == 8 and check["equal"] == 7 and not check["correct"]
+    assert [m["prompt"] for m in check["mismatches"]] == [spoilt]
     assert soak["requests"] == 40 and soak["disconnected"] == 4 and soak["errors"] == 0
     assert soak["compared"] == 36  # every completed response was compared with its reference
-    # the responses to the prompt whose reference was spoilt differ from it; replayed once, they are greedy
-    assert soak["replayed"] == 1 and 1 <= soak["greedy_up_to_ties"] <= 5 and soak["ties"] == 0
-    assert soak["equal"] + soak["greedy_up_to_ties"] == soak["compared"] and soak["wrong"] == 0 and soak["correct"]
-    assert report["ours"]["levels"]["4"]["equal_to_reference"] == 8 and "replay" in report["ours"]["levels"]["4"]
+    wrong = soak["compared"] - soak["equal"]  # the responses to the spoilt prompt (every 8th request), and only them
+    assert 1 <= wrong <= 5 and {m["prompt"] for m in soak["mismatches"]} == {spoilt} and not soak["correct"]
+    fraction = next(t for t in report["targets"] if t["target"].startswith("soak (fp32)"))
+    assert fraction["value"] == pytest.approx(soak["equal"] / 36, abs=1e-3) and not fraction["pass"]
+    assert f"prompt {spoilt} differs" in stdout
+    assert report["ours"]["levels"]["4"]["equal_to_reference"] == 8  # fp32 levels: equal to the lone ones
     assert soak["all_free"] and soak["after"] == {"requests_running": 0, "requests_waiting": 0, "kv_blocks_used": 0,
                                                   "state_slots_used": 0}
     assert _positive(soak["rss_before_bytes"]) and _positive(soak["rss_after_bytes"])
@@ -117,32 +123,6 @@ def test_check_responses_catches_a_wrong_text_or_finish_reason():
     assert not check_responses([r(1, "x", disconnected=True)], refs)["correct"]  # nothing compared: no pass
 
 
-def test_verify_mismatches_replays_each_distinct_response_once():
-    refs = {1: {"text": " a", "finish_reason": "length"}, 2: {"text": " b", "finish_reason": "length"}}
-
-    class Fake:
-        calls = []
-
-        def check(self, prompt, text, finish, tokens):
-            self.calls.append(text)
-            return {"ok": text.startswith(" ok"), "ties": 1, "max_gap": 0.1, "failed_at": None if text.startswith(" ok") else 0}
-
-    class P:
-        def prompt(self, i):
-            return f"p{i}"
-
-    def r(index, text, **kw):
-        return Response(index, 0.0, text=text, finish_reason="length", **kw)
-
-    fake = Fake()
-    out = bench_serve.verify_mismatches(fake, P(), [r(1, " a"), r(1, " ok1"), r(1, " ok1"), r(2, " bad"), r(2, " ok2"),
-                                                    r(2, " x", disconnected=True)], refs, limit=10)
-    assert sorted(fake.calls) == [" bad", " ok1", " ok2"]  # the equal one and the disconnected one are not replayed
-    assert (out["greedy_up_to_ties"], out["wrong"], out["unverified"], out["replayed"]) == (3, 1, 0, 3)
-    out = bench_serve.verify_mismatches(Fake(), P(), [r(1, " ok1"), r(2, " ok2"), r(2, " ok2")], refs, limit=1)
-    assert (out["greedy_up_to_ties"], out["unverified"]) == (1, 2)
-
-
 def test_statistics_and_exact_prompt_lengths():
     assert percentile([], 99) is None and percentile([3.0], 50) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile(list(map(float, range(101))), 99) == 99.0
@@ -156,48 +136,3 @@ def test_statistics_and_exact_prompt_lengths():
     prompts = bench_serve.make_prompts(tok, 512, 4, 1024)
     assert prompts.system_tokens == 512 and prompts.prefix_stable
     assert len(set(prompts.questions)) == 4
-
-
-def test_greedy_verifier_accepts_greedy_paths_and_rejects_others(quick):
-    """The soak's replay check on the quick run's checkpoint: the lone greedy response passes with no tie; a
-    response that takes the runner-up at the closest call and goes on greedily passes exactly when the
-    tolerance covers that gap; a changed word or another prompt's response fails."""
-    _verifier_checks(quick[2])
-
-
-def _verifier_checks(directory):
-    import torch
-
-    import hybrid
-    from hybrid.generate import generate_ids
-
-    model, tok = hybrid.load(directory, dtype="fp32", progress=False)
-    prompts = bench_serve.make_prompts(tok, 512, 3, 1024)
-    n = 12
-    (ref,) = hybrid.generate(model, tok, [prompts.prompt(1)], max_new_tokens=n)
-    assert ref.finish_reason == "length"
-    verifier = bench_serve.GreedyVerifier(model, tok, prompts.system, tolerance=0.0)
-    assert verifier.check(prompts.prompt(1), ref.text, "length", n) == {"ok": True, "ties": 0, "max_gap": 0.0,
-                                                                         "failed_at": None}
-    other = hybrid.generate(model, tok, [prompts.prompt(2)], max_new_tokens=n)[0].text
-    assert not verifier.check(prompts.prompt(1), other, "length", n)["ok"]
-    words = ref.text.split(" ")
-    words[-2] = "zzz" if words[-2] != "zzz" else "qqq"
-    assert not verifier.check(prompts.prompt(1), " ".join(words), "length", n)["ok"]
-
-    ids = tok.encode(prompts.prompt(1))
-    with torch.inference_mode():
-        logits = model(torch.tensor([ids + ref.token_ids]))[0, len(ids) - 1:-1].float()
-    top = logits.topk(2)
-    gaps = (top.values[:, 0] - top.values[:, 1]) / logits.std(dim=-1)
-    k = int(gaps[: n - 1].argmin())  # the closest call (not the last token: something follows it)
-    runner_up = int(top.indices[k, 1])
-    (rest,) = generate_ids(model, [ids + ref.token_ids[:k] + [runner_up]], max_new_tokens=n - k - 1)
-    path = ref.token_ids[:k] + [runner_up] + rest.token_ids
-    text = tok.decode(path)
-    if text == ref.text or len(path) != n or any(t in tok.stop_ids for t in path):
-        pytest.skip("the runner-up's path decodes like the reference (or stops): nothing to tell apart")
-    gap = float(gaps[k])
-    assert not bench_serve.GreedyVerifier(model, tok, prompts.system, gap * 0.9).check(prompts.prompt(1), text, "length", n)["ok"]
-    v = bench_serve.GreedyVerifier(model, tok, prompts.system, gap * 1.1 + 1e-6).check(prompts.prompt(1), text, "length", n)
-    assert v["ok"] and v["ties"] >= 1 and v["max_gap"] == pytest.approx(gap, rel=1e-3)
