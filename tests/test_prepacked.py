@@ -77,8 +77,13 @@ def test_prefill_tiles_equal_the_exact_product(monkeypatch):
     w, x = torch.randn(40, 100, generator=g).bfloat16(), torch.randn(33, 100, generator=g).bfloat16()
     got = bf16._fp32_tiles(x, w)
     ref = x.double() @ w.double().T
-    assert got.dtype == torch.float32 and got.shape == (33, 40)
+    assert got.dtype == torch.float32 and got.shape == (33, 40) and got.is_contiguous()
     assert bool(((got.double() - ref).abs() <= 2e-6 * (x.double().abs() @ w.double().abs().T)).all())
+    # through `linear`: bf16, laid out as [..., out] row-major (what attention and the norms read best)
+    y = bf16.linear(x.reshape(3, 11, 100), w, relu=True)
+    assert y.shape == (3, 11, 40) and y.is_contiguous() and y.dtype == torch.bfloat16
+    if not bf16.plain_kernel().bf16_inputs():  # these very tiles (elsewhere PyTorch's bf16 GEMM)
+        assert torch.equal(y, got.relu().to(torch.bfloat16).reshape(3, 11, 40))
 
 
 def test_packed_expert_bank_matches_bank(form):
