@@ -30,7 +30,8 @@ threads (a preset's checkpoint is built once by `bench.make_checkpoint`):
   back to a shared prefix);
 - **a long prompt arriving while requests stream**: `--streams` (15) requests decode, then a
   `--long-tokens` (8K) prompt of other text arrives; the p99 ITL of the streams from its arrival to its
-  first token, against one prefill chunk's time (the slowest 512-token chunk, the server's
+  first token (per token: the streams ask for logprobs, so an event that carries k tokens, when a token's
+  bytes ended no character, counts k gaps of 1/k of its wait), against one prefill chunk's time (the slowest 512-token chunk, the server's
   `max_num_batched_tokens`, of the same prompt alone) plus one decode step of `--streams` sequences, both
   measured after the server stopped, on `hybrid.serving.engine.Engine` with the server's settings;
 - **correctness** (unless `--soak 0`), in `--check-dtype` (fp32: there a batched forward gives exactly the
@@ -267,6 +268,7 @@ class Response:
     index: int  # the prompt's index (Prompts.questions)
     start: float
     events: list[float] = field(default_factory=list)  # arrival of each event that carried text
+    event_tokens: list[int] = field(default_factory=list)  # the tokens of each (its logprobs' when asked, else 1)
     text: str = ""
     finish_reason: str | None = None
     completion_tokens: int | None = None  # from the usage chunk, when the server sends one
@@ -283,6 +285,13 @@ class Response:
     @property
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.events, self.events[1:])]
+
+    def token_gaps(self, after: float, until: float) -> list[float]:
+        """Inter-token latencies of the events that arrived in (after, until]: an event of k tokens (a token
+        whose bytes end no character sends no text: the next event carries both) counts k gaps of 1/k of
+        the time since the event before it."""
+        return [(b - a) / k for a, b, k in zip(self.events, self.events[1:], self.event_tokens[1:])
+                if after < b <= until for _ in range(k)]
 
     def tokens(self, max_tokens: int) -> int:
         """Generated tokens: the usage chunk's count, else max_tokens for a response cut at its length, else
@@ -337,6 +346,7 @@ class Client:
                     for choice in chunk.get("choices") or []:
                         if choice.get("text"):
                             r.events.append(time.perf_counter())
+                            r.event_tokens.append(len((choice.get("logprobs") or {}).get("tokens") or [None]))
                             r.text += choice["text"]
                             if on_event is not None:
                                 on_event(r)
@@ -448,7 +458,8 @@ def run_long_prompt(server: ServerProcess, model: str, prompts: Prompts, indices
 
     async def go():
         streams_max = 6 * math.ceil(prompts.long_tokens / SERVER_CHUNK) + 64  # they outlast the prefill
-        client = Client(server.url, model, max_tokens, len(indices) + 1)
+        # logprobs: each event says how many tokens it carries (a token with no text of its own joins the next)
+        client = Client(server.url, model, max_tokens, len(indices) + 1, extra={"logprobs": 0})
         started, done = asyncio.Event(), asyncio.Event()
         first: set[int] = set()
 
@@ -476,7 +487,7 @@ def run_long_prompt(server: ServerProcess, model: str, prompts: Prompts, indices
             raise RuntimeError(f"the long prompt failed: {long.error or 'no token came back'}")
         # its first token; its two tokens may decode to no text yet: then the stream's end, one step later
         end = long.events[0] if long.events else long.end
-        gaps = [b - a for r in results for a, b in zip(r.events, r.events[1:]) if arrival < b <= end]
+        gaps = [g for r in results for g in r.token_gaps(arrival, end)]
         cut = sum(r.finish_reason is not None for r in results)
         if cut:
             print(f"note: {cut} of the streams ended before the long prompt's first token", file=sys.stderr)

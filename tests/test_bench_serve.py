@@ -127,6 +127,9 @@ def test_statistics_and_exact_prompt_lengths():
     assert percentile([], 99) is None and percentile([3.0], 50) == 3.0
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5 and percentile(list(map(float, range(101))), 99) == 99.0
     assert bench_serve.union_length([(0, 1), (0.5, 2), (3, 4)]) == 3.0 and bench_serve.union_length([(0, 5), (1, 2)]) == 5.0
+    r = Response(0, 0.0, events=[1.0, 2.0, 5.0, 5.5], event_tokens=[1, 1, 3, 1])
+    assert r.token_gaps(0.0, 10.0) == [1.0, 1.0, 1.0, 1.0, 0.5]  # the 3-token event: 3 gaps of 1 s
+    assert r.token_gaps(1.5, 5.0) == [1.0, 1.0, 1.0, 1.0] and r.gaps == [1.0, 3.0, 0.5]
     from hybrid.cli import DEFAULT_CHECKPOINT
     from hybrid.tokenizer import Tokenizer
 
