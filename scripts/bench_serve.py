@@ -12,10 +12,12 @@ threads (a preset's checkpoint is built once by `bench.make_checkpoint`):
 - **load levels** (`--clients`, default 1 4 16 64): that many clients in a closed loop (each sends its next
   request when its last one ended) through `--requests` requests per level (default: 2 per client, at
   least 8), after a warm-up request that leaves the system prompt cached. Per level: generated tokens/s of
-  all clients together (generated tokens / the level's wall time), aggregate decode tok/s (the events after
-  each stream's first / the time during which any stream was between its first and last event: with N
-  streams decoding at once, N x their rate), time to first token and inter-token
-  latency p50 / p99 (ITL: the gaps between a stream's events), the prefix hit rate (the prompt tokens
+  all clients together (generated tokens / the level's wall time), aggregate decode tok/s (the tokens after
+  each stream's first event / the time during which any stream was between its first and last event: with
+  N streams decoding at once, N x their rate), time to first token and inter-token latency p50 / p99 (ITL:
+  the gaps between a stream's events, per token: our server is asked for logprobs, so each event lists its
+  tokens, and an event of k tokens, when a token's bytes ended no character, counts k gaps of 1/k of its
+  wait; llama.cpp's events count one token each), the prefix hit rate (the prompt tokens
   `usage.prompt_tokens_details.cached_tokens` says the cache served, and `/metrics`' hits per admission)
   and the server process's peak resident memory during the level (VmHWM, reset before each level);
 - **sequential**: the requests of the target level (16 clients, else the largest level below) one after
@@ -82,6 +84,9 @@ from hybrid.serving.prefix import DEFAULT_SNAPSHOT_INTERVAL
 SERVER_SNAPSHOT_INTERVAL = DEFAULT_SNAPSHOT_INTERVAL  # `hybrid serve`'s engine: Mamba snapshots (and chunk ends) here
 SERVER_CHUNK = DEFAULT_MAX_NUM_BATCHED_TOKENS  # its max_num_batched_tokens: the tokens of one forward
 DISCONNECT_FRACTION = 0.1
+# asked of our server: then each streamed event lists its tokens (a token whose bytes end no character sends no
+# text of its own and joins the next event), so ITL and decode rates count tokens, not text events
+TOKEN_COUNTS = {"logprobs": 0}
 _T0 = time.perf_counter()
 
 
@@ -392,8 +397,8 @@ def summarize(responses: list[Response], wall: float, max_tokens: int) -> dict:
     done = [r for r in responses if r.error is None]
     tokens = sum(r.tokens(max_tokens) for r in done)
     ttft = [r.ttft for r in done if r.ttft is not None]
-    gaps = [g for r in done for g in r.gaps]
-    rates = [(len(r.events) - 1) / (r.events[-1] - r.events[0]) for r in done
+    gaps = [g for r in done for g in r.token_gaps(-math.inf, math.inf)]
+    rates = [sum(r.event_tokens[1:]) / (r.events[-1] - r.events[0]) for r in done
              if len(r.events) > 2 and r.events[-1] > r.events[0]]
     decoding = union_length([(r.events[0], r.events[-1]) for r in done if len(r.events) > 1])
     prompt = sum(r.prompt_tokens or 0 for r in done)
@@ -404,7 +409,7 @@ def summarize(responses: list[Response], wall: float, max_tokens: int) -> dict:
         "errors_seen": sorted({r.error for r in responses if r.error})[:3],
         "wall_s": wall, "generated_tokens": tokens, "tok_s": tokens / wall if wall > 0 else None,
         "stream_decode_tok_s": statistics.mean(rates) if rates else None,
-        "decode_tok_s": sum(len(r.events) - 1 for r in done if len(r.events) > 1) / decoding if decoding else None,
+        "decode_tok_s": sum(sum(r.event_tokens[1:]) for r in done) / decoding if decoding else None,
         "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
         "itl_p50_s": percentile(gaps, 50), "itl_p99_s": percentile(gaps, 99), "itl_samples": len(gaps),
         "prompt_tokens": prompt or None, "cached_tokens": cached if prompt else None,
@@ -459,7 +464,7 @@ def run_long_prompt(server: ServerProcess, model: str, prompts: Prompts, indices
     async def go():
         streams_max = 6 * math.ceil(prompts.long_tokens / SERVER_CHUNK) + 64  # they outlast the prefill
         # logprobs: each event says how many tokens it carries (a token with no text of its own joins the next)
-        client = Client(server.url, model, max_tokens, len(indices) + 1, extra={"logprobs": 0})
+        client = Client(server.url, model, max_tokens, len(indices) + 1, extra=TOKEN_COUNTS)
         started, done = asyncio.Event(), asyncio.Event()
         first: set[int] = set()
 
@@ -936,7 +941,7 @@ def main(argv: list[str] | None = None) -> int:
     name = directory.name
     try:
         report["server_rss_after_start_bytes"] = server.rss()
-        report["ours"] = run_levels(server, name, prompts, plan, args.max_tokens, 0, metrics=True)
+        report["ours"] = run_levels(server, name, prompts, plan, args.max_tokens, 0, metrics=True, extra=TOKEN_COUNTS)
         for level in report["ours"]["levels"].values():  # the target level's prompts have references
             check = check_responses(level.pop("responses"), references)
             if check["compared"]:
