@@ -78,10 +78,11 @@ NO_BF16_WEIGHTS = "no bf16-weight kernel in this build (AVX-512, or AVX2 + FMA)"
 
 
 @pytest.mark.skipif(not cpu.module().bf16_weights(), reason=NO_BF16_WEIGHTS)
-@pytest.mark.parametrize("shape", [(1856, 2688), (2688, 1856), (7, 100)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(1856, 2688), (2688, 1856), (7, 100), (7, 120)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_bf16_weights_dot_product(shape):
     """The plain bf16 form of the prepacked modules (`moe.quant.kernels.bf16`): exact products, fp32 sums;
-    K = 100: a partial 32-element step (AVX2: a partial 8-element one too)."""
+    K = 100: a partial 32-element step (AVX2: a partial 8-element one too); K = 120: 96 + one 16-element step
+    + 8 left (the AVX-512 widening path's three loops)."""
     out_f, in_f = shape
     g = torch.Generator().manual_seed(out_f)
     W = (torch.randn(out_f, in_f, generator=g) * 0.02).bfloat16()
