@@ -96,6 +96,10 @@ def _generate_on(args, rank: int, world: int) -> int:
     if args.speculative and args.prefix_cache:
         print("error: --speculative and --prefix-cache cannot be combined", file=sys.stderr)
         return 2
+    if args.speculative and (args.repetition_penalty != 1 or args.frequency_penalty or args.presence_penalty):
+        print("error: --speculative cannot be combined with a penalty (--repetition-penalty, "
+              "--frequency-penalty, --presence-penalty)", file=sys.stderr)
+        return 2
     # --prefix-cache FILE: under torchrun each rank keeps its own states in its own file (`launch.rank_file`)
     prefix_path = launch.rank_file(args.prefix_cache, rank, world) if args.prefix_cache and world > 1 \
         else args.prefix_cache
@@ -166,7 +170,8 @@ def _generate_on(args, rank: int, world: int) -> int:
     (c,) = generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                     top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
                     on_text=None if args.json else stream, speculative=args.speculative,
-                    prefix_cache=prefix_cache, **chat_kwargs)
+                    prefix_cache=prefix_cache, repetition_penalty=args.repetition_penalty,
+                    frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, **chat_kwargs)
     if prefix_cache is not None and save_prefix_cache:
         prefix_cache.save(prefix_path)
     summary = {
@@ -492,6 +497,27 @@ def _seed(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    value = _parse(int, text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [1, 65535], got {text}")
+    return value
+
+
+def _repetition_penalty(text: str) -> float:
+    value = _parse(float, text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0 (1: none), got {text}")
+    return value
+
+
+def _openai_penalty(text: str) -> float:
+    value = _parse(float, text)
+    if not -2 <= value <= 2:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number in [-2, 2] (0: none), got {text}")
+    return value
+
+
 def _top_p(text: str) -> float:
     value = _parse(float, text)
     if not 0 < value <= 1:  # also refuses nan
@@ -526,6 +552,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=_top_k, default=None, help="sample from the k most likely tokens (0 or -1: no limit)")
     g.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set with probability >= p")
     g.add_argument("--seed", type=_seed, default=None, help="seed of the sampler")
+    g.add_argument("--repetition-penalty", type=_repetition_penalty, default=1.0,
+                   help="divide positive logits (multiply negative ones) of every token in the prompt or output "
+                        "by this (vLLM / transformers; default: %(default)s, none)")
+    g.add_argument("--frequency-penalty", type=_openai_penalty, default=0.0,
+                   help="subtract this times a token's count in the output from its logit (OpenAI's, [-2, 2]; "
+                        "default: %(default)s)")
+    g.add_argument("--presence-penalty", type=_openai_penalty, default=0.0,
+                   help="subtract this from the logit of every token already in the output (OpenAI's, [-2, 2]; "
+                        "default: %(default)s)")
     g.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
     g.add_argument("--mmap", action=argparse.BooleanOptionalAction, default=True,
                    help="keep bf16 weights as views of the checkpoint's memory map (default); --no-mmap copies "
@@ -551,9 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("serve", help="serve a checkpoint over the OpenAI API (continuous batching, prefix cache)")
     v.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub repo id (default: shipped checkpoint)")
     v.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, this machine only)")
-    v.add_argument("--port", type=_positive_int, default=8000)
+    v.add_argument("--port", type=_port, default=8000, help="TCP port to listen on (default: %(default)s)")
     v.add_argument("--served-model-name", default=None, help="the model's name in the API (default: the directory's)")
-    v.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests running at once (state slots)")
+    v.add_argument("--max-num-seqs", type=_positive_int, default=16, help="requests running at once (state slots; default: %(default)s)")
     v.add_argument("--max-model-len", type=_positive_int, default=None,
                    help="longest request, prompt and output (default: the config's, capped by the KV pool)")
     v.add_argument("--memory", type=_memory, default=None, metavar="SIZE",
@@ -561,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
     v.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
     v.add_argument("--max-queue", type=_non_negative_int, default=256,
-                   help="requests that may wait besides the running ones; past it: 503 with Retry-After")
+                   help="requests that may wait besides the running ones; past it: 503 with Retry-After "
+                        "(default: %(default)s)")
     v.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="share cached prefixes across requests (default: on)")
     v.add_argument("--prefix-cache-file", default=None, metavar="FILE",

@@ -16,7 +16,7 @@ import torch
 from hybrid.batch import check_max_new_tokens, check_prompts, left_pad
 from hybrid.cache import RESERVE_AHEAD
 from hybrid.model import HybridForCausalLM
-from hybrid.sampling import Completion, Sampling, SamplingParams, check_rank_draws, for_call, sample
+from hybrid.sampling import Completion, Sampling, SamplingParams, apply_penalties, check_rank_draws, for_call, sample
 from hybrid.speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
@@ -103,11 +103,10 @@ def generate_ids(
     for s in range(0, L, prefill_chunk_size):
         logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
                        logits_to_keep=1)
-    last = logits[:, -1]
-    token = sample(last, sampling)
+    out: list[list[int]] = [[] for _ in range(B)]
+    token = sample(apply_penalties(logits[:, -1], sampling, prompts, out), sampling)
     prefill_done = time.perf_counter()
 
-    out: list[list[int]] = [[] for _ in range(B)]
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     reasons = ["length"] * B
     for step in range(max_new_tokens):
@@ -126,7 +125,7 @@ def generate_ids(
             break
         positions.check(L + step + 1)
         logits = model(token[:, None], cache)
-        token = sample(logits[:, -1], sampling)
+        token = sample(apply_penalties(logits[:, -1], sampling, prompts, out), sampling)
     end = time.perf_counter()
     return [
         Completion(out[row], reasons[row], len(prompts[row]), prefill_done - start, end - prefill_done)
@@ -205,6 +204,9 @@ def generate(
     on_text: Callable[[int, str], None] | None = None,
     speculative: int = 0,
     prefix_cache: "PrefixCache | None" = None,
+    repetition_penalty: float = 1.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
     **chat_kwargs,
 ) -> list[Completion]:
     """Generate text for one prompt or a batch of prompts.
@@ -218,6 +220,8 @@ def generate(
         chat: wrap each prompt as a user message and render the checkpoint's chat template
             (`chat_kwargs`, e.g. `enable_thinking=False`, reach the template).
         on_text: streaming callback `(row, new_text)` called as text is produced.
+        repetition_penalty, frequency_penalty, presence_penalty: see `hybrid.sampling.SamplingParams`
+            (vLLM's semantics; not with `speculative`).
     Returns:
         A list of `Completion`s, one per prompt, with `.text`, `.token_ids`, `.finish_reason` (and
         `.acceptance_rate` of the drafts when speculative).
@@ -226,7 +230,7 @@ def generate(
         ValueError: no prompts, a prompt that is not UTF-8 (a lone surrogate, or a byte Python kept as one:
             named with its index and the byte), max_new_tokens not an integer >= 1, speculative with several
             prompts, with a prefix cache, or without an MTP block; a sampling number out of range or of the
-            wrong type (temperature negative or not finite, top_p outside (0, 1], top_k below -1; see
+            wrong type (temperature negative or not finite, top_p outside (0, 1], top_k below -1, a penalty out of range; see
             `SamplingParams`: temperature below 1e-5 is greedy, top_k 0 or -1 no limit); a prompt token id
             outside the model's vocabulary (see `generate_ids`).
     """
@@ -234,7 +238,8 @@ def generate(
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     if speculative and (len(prompts) != 1 or prefix_cache is not None):
         raise ValueError("speculative decoding takes one prompt and no prefix cache")
-    sampling = SamplingParams(temperature, top_k, top_p, seed)  # checks the numbers first
+    sampling = SamplingParams(temperature, top_k, top_p, seed, repetition_penalty=repetition_penalty,
+                              frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)  # checked first
     if chat:
         ids = [tokenizer.encode_chat([{"role": "user", "content": p}], **chat_kwargs) for p in prompts]
     else:

@@ -4,6 +4,7 @@ use this module; none of them imports another.
 
     probs = filtered_probs(logits, params)     softmax(logits / temperature), top-k, then top-p, renormalised
     ids = sample(logits, params)               argmax when temperature is 0 (or < 1e-5), else one draw per row
+    logits = apply_penalties(logits, params, prompts, outputs)   repetition / frequency / presence, before both
 
 `params` is one `SamplingParams` for the whole batch (one generator draws every row), or a list with one per
 row (each row draws from its own generator, so a row gives the same tokens in any batch as alone).
@@ -36,11 +37,19 @@ class SamplingParams:
     are the model's raw distribution, log_softmax of the logits before temperature, top-k and top-p (vLLM's
     default, `logprobs_mode="raw_logprobs"`), so a token's number does not depend on how it was drawn.
 
+    Penalties (vLLM's semantics; `apply_penalties` applies them to the logits before temperature and
+    filtering, and before greedy's argmax): `repetition_penalty` (> 0; 1 is none) divides the positive logits
+    and multiplies the others of every token seen in the prompt or the output (CTRL's penalty, as
+    transformers' `RepetitionPenaltyLogitsProcessor`); `frequency_penalty` and `presence_penalty` (OpenAI's,
+    in [-2, 2]; 0 is none) subtract, from each token's logit, the penalty times the number of times it was
+    generated, and the penalty once if it was generated at all (the output only, not the prompt).
+
     Raises:
         ValueError: temperature negative, not finite or not a number, top_k not a positive integer (or 0 / -1),
-            top_p not a number in (0, 1], logprobs not an integer >= 0 (or None), or a seed that is not an
-            integer torch's generator can take (bools are refused everywhere; the value is named with its
-            repr, so a string shows its quotes).
+            top_p not a number in (0, 1], logprobs not an integer >= 0 (or None), a seed that is not an
+            integer torch's generator can take, repetition_penalty not a finite number > 0, or
+            frequency_penalty / presence_penalty not a number in [-2, 2] (bools are refused everywhere; the
+            value is named with its repr, so a string shows its quotes).
     """
 
     temperature: float = 0.0
@@ -48,6 +57,9 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     generator: torch.Generator | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -64,10 +76,24 @@ class SamplingParams:
         if self.logprobs is not None and not (_integer(self.logprobs) and self.logprobs >= 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
+        r = self.repetition_penalty
+        if not (_real(r) and math.isfinite(r) and r > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1: none), got {r!r}")
+        self.repetition_penalty = float(r)
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not (_real(v) and -2 <= v <= 2):
+                raise ValueError(f"{name} must be a number in [-2, 2] (0: none), got {v!r}")
+            setattr(self, name, float(v))
         if self.seed is not None:
             if not (_integer(self.seed) and -2**63 <= self.seed < 2**64):
                 raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
             self.generator = torch.Generator().manual_seed(int(self.seed))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (`apply_penalties` is then not the identity)."""
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     def fresh(self) -> "SamplingParams":
         """These parameters for a new generation call: a seeded one starts again from its seed (its own new
@@ -137,6 +163,34 @@ def check_rank_draws(params: Sampling, sharded: bool) -> None:
         raise ValueError("sampling under tensor parallelism needs a seed, the same on every rank (each rank draws "
                          "from the same all-gathered logits with its own generator); pass seed=..., or sample "
                          "greedily (temperature 0)")
+
+
+def apply_penalties(logits: torch.Tensor, params: Sampling, prompts: Sequence[Sequence[int]],
+                    outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """The logits [B, V] with each row's penalties applied (see `SamplingParams`), for rows whose prompt
+    token ids are `prompts[b]` and generated ids so far `outputs[b]`; fp32 where a row is penalized, the
+    input itself when no row is. The same for one row in any batch (vLLM's `apply_penalties`).
+
+    Raises:
+        ValueError: `params` a list of another length than the rows (see `_per_row`).
+    """
+    B, V = logits.shape
+    rows = _per_row(params, B) or [params] * B
+    if not any(p.penalized for p in rows):
+        return logits
+    out = logits.float().clone()
+    for b, p in enumerate(rows):
+        if not p.penalized:
+            continue
+        row = out[b]
+        if p.repetition_penalty != 1:
+            seen = torch.tensor(sorted(set(prompts[b]) | set(outputs[b])), dtype=torch.long, device=row.device)
+            picked = row[seen]
+            row[seen] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        if outputs[b] and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(outputs[b], dtype=torch.long), minlength=V)[:V].to(row.device)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return out
 
 
 def filtered_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:

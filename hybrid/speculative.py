@@ -90,7 +90,8 @@ def speculative_generate_ids(
     drafter: replaces the MTP block, for tests: `drafter(position, tokens_so_far) -> (token, probs [V])`.
     Returns the `Completion` (as `hybrid.generate.generate_ids` gives it) and the draft statistics.
     Raises:
-        ValueError: a tensor or empty prompt (a list of ids is expected), num_draft < 1, a model without an MTP block and no drafter, an MTP
+        ValueError: a tensor or empty prompt (a list of ids is expected), num_draft < 1, penalties in
+            `sampling` (`SamplingParams.penalized`), a model without an MTP block and no drafter, an MTP
             block with Mamba layers (published ones are `*E`; their draft positions could not be dropped), or
             on a tensor-parallel rank sampling without a seed (`hybrid.sampling.check_rank_draws`).
     """
@@ -100,6 +101,8 @@ def speculative_generate_ids(
         raise ValueError("prompt must be a non-empty list of token ids")
     if num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    if sampling is not None and sampling.penalized:  # each drafted position would need the penalties before it
+        raise ValueError("repetition / frequency / presence penalties are not supported with speculative decoding")
     if model.mtp is None and drafter is None:
         raise ValueError("speculative decoding needs an MTP block (num_nextn_predict_layers > 0) or a drafter")
     if drafter is None and MAMBA in model.config.mtp_pattern:

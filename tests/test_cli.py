@@ -125,7 +125,7 @@ def test_prefix_cache_file_is_reused_across_runs(ckpt, tmp_path):
     first, second = json.loads(first.stdout), json.loads(second.stdout)
     assert store.exists() and first["prefix_cache_reused_tokens"] == 0
     n = first["prompt_tokens"]
-    assert second["prefix_cache_reused_tokens"] == (n - 1) // 16 * 16 > 0  # the last snapshot before its end
+    assert second["prefix_cache_reused_tokens"] == n  # the whole prompt: its first token from the kept hidden state
     assert second["token_ids"] == first["token_ids"]
     longer = run("generate", str(ckpt), "--prompt", prompt + " Green.", "--max-new-tokens", "8", "--json",
                  "--prefix-cache", str(store))
@@ -142,7 +142,7 @@ def test_prefix_cache_file_serves_another_snapshot_interval(ckpt, tmp_path):
     n = json.loads(first.stdout)["prompt_tokens"]
     r = run(*args, "--prefix-snapshot-interval", "32")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["prefix_cache_reused_tokens"] == (n - 1) // 16 * 16
+    assert json.loads(r.stdout)["prefix_cache_reused_tokens"] == n  # the prompt-end snapshot, whole
 
 
 def run_bytes(*args, stdin: bytes):
@@ -157,10 +157,26 @@ def run_bytes(*args, stdin: bytes):
     ("--top-p", "0", "argument --top-p: must be in (0, 1], got 0"),
     ("--top-k", "-2", "argument --top-k: must be a positive integer, or 0 or -1 for no limit, got -2"),
     ("--seed", str(2**64), f"argument --seed: must be an integer in [-2**63, 2**64), got {2**64}"),
+    ("--repetition-penalty", "0", "argument --repetition-penalty: must be a finite number > 0 (1: none), got 0"),
+    ("--frequency-penalty", "2.5", "argument --frequency-penalty: must be a number in [-2, 2] (0: none), got 2.5"),
+    ("--presence-penalty", "nan", "argument --presence-penalty: must be a number in [-2, 2] (0: none), got nan"),
 ])
 def test_degenerate_sampling_options_are_usage_errors(ckpt, option, value, message):
     r = run("generate", str(ckpt), "--prompt", "hi", option, value)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_takes_penalties_as_the_library_does(ckpt):
+    import hybrid
+
+    model, tok = hybrid.load(ckpt)
+    penalties = dict(repetition_penalty=0.3, frequency_penalty=0.5, presence_penalty=0.3)  # < 1: seen tokens favoured
+    (expected,) = hybrid.generate(model, tok, "a a a a", max_new_tokens=12, **penalties)
+    (free,) = hybrid.generate(model, tok, "a a a a", max_new_tokens=12)
+    r = run("generate", str(ckpt), "--prompt", "a a a a", "--max-new-tokens", "12", "--json", "--repetition-penalty",
+            "0.3", "--frequency-penalty", "0.5", "--presence-penalty", "0.3")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == expected.token_ids != free.token_ids
 
 
 def test_tiny_temperature_is_greedy_and_top_k_zero_is_off(ckpt):

@@ -85,22 +85,30 @@ def test_a_seeded_sampled_hit_equals_the_cold_run(model):
     pc = cache(model)
     pc.generate([prompt], 1)
     (hit,) = generate_ids(model, [prompt], max_new_tokens=8, sampling=sampling, prefix_cache=pc)
-    assert hit.cached_tokens == 32 and hit.token_ids == cold(model, prompt, 8, sampling)
+    assert hit.cached_tokens == 40 and hit.token_ids == cold(model, prompt, 8, sampling)  # the whole prompt
 
 
-def test_prompt_ending_on_a_snapshot_boundary_keeps_one_token_to_run(model):
-    """A prompt of exactly 3 blocks, cached whole (a snapshot at its end), resumes one interval earlier: the
-    last token must run to give the first new token's logits."""
+def test_a_prompt_cached_whole_computes_nothing_and_samples_from_the_kept_hidden_state(model):
+    """A prompt sent again (here exactly 3 blocks, or one token) resumes from the snapshot at its end, whole:
+    its first token's logits come from the final hidden state kept with the snapshot. Without a kept hidden
+    state the last token must run, so it resumes one interval earlier. Either way the tokens are a cold run's."""
     prompt = ids(3 * BS, 7)
     pc = cache(model)
     pc.generate([prompt], 1)
     assert len(pc) == 3  # at 16, 32 and 48 (the prompt's end)
-    assert pc.match(prompt) == 2 * BS and pc.match(prompt + [5]) == 3 * BS
+    assert pc.match(prompt) == 3 * BS and pc.match(prompt + [5]) == 3 * BS and pc.match(prompt[:40]) == 2 * BS
     (c,) = pc.generate([prompt], 8)
-    assert c.cached_tokens == 2 * BS < len(prompt) and c.token_ids == cold(model, prompt)
-    single = ids(1, 8)  # a one-token prompt never hits (nothing may be skipped)
+    assert c.cached_tokens == len(prompt) and c.token_ids == cold(model, prompt)
+    (c,) = pc.generate([prompt[:2 * BS]], 8)  # ends on the snapshot at 32, taken inside the longer prompt
+    assert c.cached_tokens == 2 * BS and c.token_ids == cold(model, prompt[:2 * BS])
+    single = ids(1, 8)
     pc.generate([single], 1)
-    assert pc.match(single) == 0 and pc.generate([single], 3)[0].cached_tokens == 0
+    assert pc.match(single) == 1 and pc.generate([single], 3)[0].token_ids == cold(model, single, 3)
+    for snapshot in pc._prefix.snapshots.values():
+        snapshot.last_hidden = None
+    assert pc.match(prompt) == 2 * BS and pc.match(single) == 0
+    (c,) = pc.generate([prompt], 8)
+    assert c.cached_tokens == 2 * BS and c.token_ids == cold(model, prompt)
 
 
 def test_reuse_never_aliases(model):
@@ -110,14 +118,16 @@ def test_reuse_never_aliases(model):
     pc = cache(model)
     pc.generate([prompt], 1)
     prefix, pool = pc._prefix, pc.engine.blocks
-    snapshots = {key: [t.clone() for pair in s.mamba + s.tail_kv for t in pair] for key, s in prefix.snapshots.items()}
+    snapshots = {key: [t.clone() for pair in s.mamba + s.tail_kv for t in pair] + [s.last_hidden.clone()]
+                 for key, s in prefix.snapshots.items()}
     kv = {name.digest: [t[b].clone() for t in pool.k + pool.v] for b, name in pool.named()}
     expected = cold(model, prompt, 30)  # to position 67: two more blocks written after the hit
     runs = [pc.generate([prompt], 30)[0] for _ in range(3)]
-    assert [r.token_ids for r in runs] == [expected] * 3 and [r.cached_tokens for r in runs] == [32] * 3
+    assert [r.token_ids for r in runs] == [expected] * 3 and [r.cached_tokens for r in runs] == [37] * 3
     for key, before in snapshots.items():
         s = prefix.snapshots[key]
-        assert all(torch.equal(x, y) for x, y in zip(before, [t for pair in s.mamba + s.tail_kv for t in pair]))
+        after = [t for pair in s.mamba + s.tail_kv for t in pair] + [s.last_hidden]
+        assert len(before) == len(after) and all(torch.equal(x, y) for x, y in zip(before, after))
     for digest, before in kv.items():
         b = pool.find(digest)
         assert b is not None and all(torch.equal(x, t[b]) for x, t in zip(before, pool.k + pool.v))
@@ -138,9 +148,10 @@ def test_cached_prefix_then_a_batch(model):
 
 # ---------------------------------------------------------------------------------------------- memory
 def test_snapshot_memory_bound_and_lru(model):
-    """A snapshot without a partial block weighs one Mamba state; `max_bytes` holds three, evicting the least
-    recently used (a hit refreshes one); the blocks stay in the pool but an evicted snapshot no longer matches."""
-    state = model.new_cache(1).state_nbytes()
+    """A snapshot without a partial block weighs one Mamba state and one hidden state; `max_bytes` holds three,
+    evicting the least recently used (a hit refreshes one); the blocks stay in the pool but an evicted snapshot
+    no longer matches."""
+    state = model.new_cache(1).state_nbytes() + model.config.hidden_size * 4  # fp32
     pc = cache(model, max_bytes=3 * state)
 
     def snapshot_bytes():
@@ -572,7 +583,7 @@ def test_the_cli_reuses_its_file_and_creates_a_missing_directory(cli_ckpt, tmp_p
     second = json.loads(out)
     n = first["prompt_tokens"]
     assert status == 0 and first["prefix_cache_reused_tokens"] == 0
-    assert second["prefix_cache_reused_tokens"] == (n - 1) // 16 * 16 > 0 and second["token_ids"] == first["token_ids"]
+    assert second["prefix_cache_reused_tokens"] == n and second["token_ids"] == first["token_ids"]  # whole, from the file
     status, out, err = run_cli(capsys, *args[:-2], "--prefix-block-size", "32")  # the old name, another interval
     assert status == 0 and json.loads(out)["token_ids"] == first["token_ids"], err
 

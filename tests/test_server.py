@@ -249,6 +249,18 @@ def test_the_next_turn_is_served_from_the_previous_prompts_snapshot(served):
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
 
 
+def test_a_prompt_sent_again_is_served_whole_from_the_cache_with_the_same_answer(served):
+    """A regenerated reply (the same messages again): every prompt token comes from the cache (the snapshot at
+    the prompt's end kept its last hidden state) and the greedy answer is the one generate gives alone."""
+    messages = [{"role": "user", "content": "Write one line about rivers, please."}]
+    answers = [served.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=12,
+                                                     temperature=0) for _ in range(2)]
+    first, again = (a.usage for a in answers)
+    assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens == first.prompt_tokens
+    text, _ = alone(served, messages[0]["content"], 12, chat=True)
+    assert [a.choices[0].message.reasoning_content for a in answers] == [text] * 2  # the template opened <think>
+
+
 # ---------------------------------------------------------------------------------------------- logprobs
 TOLERANCE = 1e-4  # fp32 forwards (packed, chunked, from the prefix cache) against one float64 log_softmax
 
@@ -382,6 +394,66 @@ def test_bad_logprobs_are_a_400_naming_the_parameter(served):
         error = r.json()["error"]
         assert (r.status_code, error["param"], error["type"]) == (400, param, "invalid_request_error"), body
         assert message in error["message"], body
+
+
+def test_penalties_equal_generate_alone_and_change_the_text(served):
+    """frequency_penalty / presence_penalty (OpenAI's) and repetition_penalty (vLLM's, in the body): the same
+    tokens as `hybrid.generate` with them (tests/test_penalties.py checks that against a reference)."""
+    prompt, penalties = "The for statement is used to", dict(frequency_penalty=0.6, presence_penalty=0.4)
+    r = served.client.completions.create(model="hybrid-mini", prompt=prompt, max_tokens=30, temperature=0,
+                                         extra_body={"repetition_penalty": 1.8}, **penalties)
+    text = alone(served, prompt, 30, repetition_penalty=1.8, **penalties)[0]
+    assert r.choices[0].text == text != alone(served, prompt, 30)[0]
+    body = {"prompt": prompt, "max_tokens": 30, "temperature": 0, "stream": True, "repetition_penalty": 1.8, **penalties}
+    with httpx.stream("POST", served.url + "/v1/completions", json=body, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text
+
+
+def test_ignore_eos_generates_past_the_stop_ids(served):
+    prompt = "The for statement is used to"
+    _, ids = alone(served, prompt, 20)
+    tok = served.tokenizer
+    saved = list(tok.stop_ids)
+    tok.stop_ids = saved + [ids[5]]  # a token greedy decoding reaches: an end of sequence for this test
+    try:
+        body = {"prompt": prompt, "max_tokens": 20, "temperature": 0}
+        stopped = httpx.post(served.url + "/v1/completions", json=body, timeout=60).json()
+        past = httpx.post(served.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=60).json()
+        bad = httpx.post(served.url + "/v1/completions", json={**body, "ignore_eos": "yes"}, timeout=60)
+    finally:
+        tok.stop_ids = saved
+    assert (stopped["choices"][0]["finish_reason"], stopped["usage"]["completion_tokens"]) == ("stop", ids.index(ids[5]) + 1)
+    assert (past["choices"][0]["finish_reason"], past["usage"]["completion_tokens"]) == ("length", 20)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ignore_eos"
+
+
+def test_parameters_that_would_change_the_output_are_refused_not_ignored(served):
+    chat, prompt = {"messages": [{"role": "user", "content": "hi"}]}, {"prompt": "x"}
+    for path, body, param, message in [
+        ("completions", {**prompt, "min_p": 0.1}, "min_p", "min_p is not supported"),
+        ("completions", {**prompt, "stop_token_ids": [5]}, "stop_token_ids", "not supported"),
+        ("chat/completions", {**chat, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        ("completions", {**prompt, "frequency_penalty": 2.5}, "frequency_penalty", "in [-2, 2], got 2.5"),
+        ("completions", {**prompt, "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be a number > 0, got 0"),
+        ("completions", {**prompt, "top_p": 0}, "top_p", "top_p must be a number in (0, 1], got 0"),
+        ("completions", {**prompt, "top_p": 1.5}, "top_p", "top_p must be a number in (0, 1], got 1.5"),
+        ("completions", {**prompt, "top_k": 2**31}, "top_k", "in [-1, 2147483647], got 2147483648"),
+        ("completions", {"prompt": [5] * 1024}, "prompt", "your prompt has 1024 tokens"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "hi " * 1100}]}, "messages", "your messages has"),
+    ]:
+        r = httpx.post(f"{served.url}/v1/{path}", json=body)
+        error = r.json()["error"]
+        assert (r.status_code, error["param"], error["type"]) == (400, param, "invalid_request_error"), body
+        assert message in error["message"], (body, error["message"])
+    ok = httpx.post(served.url + "/v1/completions", json={**prompt, "max_tokens": 2, "min_p": 0, "user": "u",
+                                                           "some_new_field": 1})
+    assert ok.status_code == 200  # neutral values and fields that change nothing are accepted
+    for method, path, status in [("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)]:
+        r = httpx.request(method, served.url + path)
+        assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}, path
+        assert path in r.json()["error"]["message"]
+    assert abs(httpx.get(served.url + "/v1/models").json()["data"][0]["created"] - time.time()) < 24 * 3600
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -554,3 +626,26 @@ def test_serve_refuses_an_unwritable_prefix_cache_file_before_loading(tmp_path, 
     (tmp_path / "file").write_text("x")
     assert main(["serve", "--prefix-cache-file", str(tmp_path / "file" / "p.safetensors")]) == 2
     assert "--prefix-cache-file" in capsys.readouterr().err
+
+
+def test_serve_binds_its_address_before_loading_and_a_taken_port_is_an_error_at_once(capsys, monkeypatch):
+    import hybrid.loading
+    from hybrid.cli import main
+    from hybrid.serving.serve import listen
+
+    def load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was bound")
+
+    monkeypatch.setattr(hybrid.loading, "load", load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 1
+        assert f"error: cannot listen on 127.0.0.1:{port}: " in capsys.readouterr().err
+        with pytest.raises(OSError):
+            listen("127.0.0.1", port)
+    with listen("127.0.0.1", 0) as held:
+        assert held.getsockname()[0] == "127.0.0.1"
+        with socket.create_connection(held.getsockname(), timeout=5):
+            pass  # it listens: a client can connect (uvicorn accepts from this socket)

@@ -6,16 +6,19 @@
 
 Both POST endpoints stream with `"stream": true` (server-sent events, `data: [DONE]` last;
 `stream_options.include_usage` adds a usage chunk). Parameters: max_tokens / max_completion_tokens,
-temperature (default 1, as OpenAI's), top_p, top_k (vLLM's extension), seed, stop (strings, never sent,
+temperature (default 1, as OpenAI's), top_p, top_k (vLLM's extension), seed, frequency_penalty and
+presence_penalty (OpenAI's), repetition_penalty and ignore_eos (vLLM's), stop (strings, never sent,
 matched across token boundaries), n (1 only), chat_template_kwargs (e.g. {"enable_thinking": false}),
 logprobs (chat: `logprobs` true and `top_logprobs` 0..20; completions: the legacy `logprobs` 0..5; the
 model's raw log-probabilities, before temperature, top-k and top-p, as vLLM's default).
 `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the prefix cache served. For a chat
 template that uses `<think>`, the thinking is returned as `reasoning_content` (`hybrid.serving.text`).
 
-Errors are OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for bad parameters and
-prompts past the model length (with the numbers), 401 without the `--api-key`, 404 for another model,
-413 for a body past `MAX_BODY_BYTES`, 503 with Retry-After when the queue is full.
+Errors are OpenAI's JSON (`{"error": {"message", "type", "param", "code"}}`): 400 for bad parameters,
+for a parameter this server does not implement set to anything but its neutral value (`UNSUPPORTED`), and
+for prompts past the model length (with the numbers), 401 without the `--api-key`, 404 for another model or
+route, 413 for a body past `MAX_BODY_BYTES`, 503 with Retry-After when the queue is full. Fields no OpenAI /
+vLLM parameter is named for are ignored with a warning in the server's log (as vLLM does).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import math
 import numbers
 import time
@@ -30,6 +34,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybrid.sampling import SamplingParams
 from hybrid.serving.request import RequestOutput, TokenLogprobs
@@ -40,9 +45,24 @@ from hybrid.serving.text import ReasoningSplitter, TextStream
 
 MAX_BODY_BYTES = 16 * 2**20
 MAX_STOP_STRINGS = 16
-# parameters this server does not implement, with the values that ask for nothing (accepted)
+# parameters (OpenAI's and vLLM's) this server does not implement, with the values that ask for nothing
+# (accepted); any other value is a 400 naming the parameter, never silently ignored
 UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, ""), "tools": (None, []),
-               "tool_choice": (None, "none"), "logit_bias": (None, {})}
+               "tool_choice": (None, "none"), "logit_bias": (None, {}), "min_p": (None, 0),
+               "min_tokens": (None, 0), "stop_token_ids": (None, []), "response_format": (None, {"type": "text"}),
+               "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+               "use_beam_search": (None, False), "length_penalty": (None, 1), "prompt_logprobs": (None,),
+               "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+               "truncate_prompt_tokens": (None,), "add_generation_prompt": (None, True),
+               "continue_final_message": (None, False), "parallel_tool_calls": (None, True, False),
+               "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
+               "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
+# fields that do not change the output (accepted and unused); any field in neither set is logged as ignored
+INERT = {"user", "metadata", "store", "service_tier", "stream_options", "request_id", "priority"}
+ACCEPTED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+            "seed", "stop", "n", "stream", "logprobs", "top_logprobs", "chat_template_kwargs", "frequency_penalty",
+            "presence_penalty", "repetition_penalty", "ignore_eos"}
+log = logging.getLogger("hybrid.serving")
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's and vLLM's limit)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions' logprobs (OpenAI's limit)
 
@@ -62,15 +82,28 @@ def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param)
 
 
-def _number(body: dict, key: str, default, lo: float = -math.inf, hi: float = math.inf, integer: bool = False):
+def _number(body: dict, key: str, default, lo: float = -math.inf, hi: float = math.inf, integer: bool = False,
+            open_low: bool = False):
+    """body[key] checked to be a finite number (an integer if `integer`) in [lo, hi] ((lo, hi] if
+    `open_low`); `default` when absent or null.
+
+    Raises:
+        APIError: 400 naming the key, the range and the value.
+    """
     value = body.get(key, default)
     if value is None:
         return default
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (not integer or float(value).is_integer())
-    if not ok or not math.isfinite(value) or not lo <= value <= hi:
+    if not ok or not math.isfinite(value) or not lo <= value <= hi or (open_low and value == lo):
         kind = "an integer" if integer else "a number"
-        raise _bad(f"{key} must be {kind} in [{lo:g}, {hi:g}], got {json.dumps(value)[:80]}", key)
+        where = (f"{'>' if open_low else '>='} {_bound(lo)}" if hi == math.inf else
+                 f"in {'(' if open_low else '['}{_bound(lo)}, {_bound(hi)}]")
+        raise _bad(f"{key} must be {kind} {where}, got {json.dumps(value)[:80]}", key)
     return int(value) if integer else float(value)
+
+
+def _bound(x: float) -> str:
+    return str(int(x)) if math.isfinite(x) and float(x).is_integer() else f"{x:g}"
 
 
 class Server:
@@ -81,16 +114,26 @@ class Server:
         self.engine = runner.engine
         self.max_model_len = self.engine.max_model_len
         self.thinks = template_thinks(tokenizer)
+        self.created = int(time.time())  # /v1/models' `created`: when this server loaded the model
 
     # ------------------------------------------------------------------------------------------ parameters
     def sampling(self, body: dict) -> SamplingParams:
         temperature = _number(body, "temperature", None, 0, 2)
-        top_p = _number(body, "top_p", None, 0, 1)
-        if top_p == 0:
-            raise _bad("top_p must be in (0, 1], got 0", "top_p")
-        top_k = _number(body, "top_k", None, -1, 2**31, integer=True)
+        top_p = _number(body, "top_p", None, 0, 1, open_low=True)
+        top_k = _number(body, "top_k", None, -1, 2**31 - 1, integer=True)
         seed = _number(body, "seed", None, -2**63, 2**64 - 1, integer=True)
-        return sampling_params(temperature, top_p, top_k, seed)  # the API's defaults for what is not set
+        penalties = {"frequency_penalty": _number(body, "frequency_penalty", 0.0, -2, 2),
+                     "presence_penalty": _number(body, "presence_penalty", 0.0, -2, 2),
+                     "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0, math.inf, open_low=True)}
+        return sampling_params(temperature, top_p, top_k, seed, **penalties)  # the API's defaults for what is not set
+
+    def stop_ids(self, body: dict) -> frozenset[int]:
+        """The ids that end a generation: the tokenizer's (end of sequence, end of turn), none with vLLM's
+        `ignore_eos: true` (generation then runs to max_tokens or a stop string)."""
+        ignore = body.get("ignore_eos", False)
+        if not isinstance(ignore, bool):
+            raise _bad(f"ignore_eos must be true or false, got {json.dumps(ignore)[:80]}", "ignore_eos")
+        return frozenset() if ignore else frozenset(self.tokenizer.stop_ids)
 
     def stop_strings(self, body: dict) -> list[str]:
         stop = body.get("stop")
@@ -131,24 +174,39 @@ class Server:
         for key, neutral in UNSUPPORTED.items():
             if key in body and body[key] not in neutral:
                 raise _bad(f"{key} is not supported by this server", key)
+        ignored = sorted(k for k in body if k not in ACCEPTED and k not in INERT and k not in UNSUPPORTED)
+        if ignored:
+            log.warning("The following fields were present in the request but ignored: %s", ignored)
 
-    def max_tokens(self, body: dict, prompt_len: int, default: int | None) -> int:
+    def max_tokens(self, body: dict, prompt_len: int, default: int | None, prompt_key: str = "prompt") -> int:
+        """The request's max_tokens (or max_completion_tokens); `default` when absent (None: what the model
+        length leaves after the prompt).
+
+        Raises:
+            APIError: 400 for a value that is not an integer >= 1, or a prompt (`prompt_key`: "prompt" or
+                "messages") and completion past the model length, with the numbers.
+        """
         limit = self.max_model_len - prompt_len if self.max_model_len is not None else None
         value = body.get("max_completion_tokens", body.get("max_tokens"))
         key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if limit is not None and limit < 1:
+            raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                       f"{'messages' if prompt_key == 'messages' else 'prompt'} has {prompt_len} tokens, which "
+                       "leaves no room for a completion. Please reduce the length of the "
+                       f"{'messages' if prompt_key == 'messages' else 'prompt'}.", prompt_key)
         if value is None:
             value = default if default is not None else limit
         if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             raise _bad(f"{key} must be an integer >= 1, got {json.dumps(value)[:80]}", key)
-        if limit is not None and (limit < 1 or value > limit):
+        if limit is not None and value > limit:
             raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                        f"{prompt_len + value} tokens ({prompt_len} in the prompt, {value} in the completion). "
                        "Please reduce the prompt or the completion length.", key)
         return value
 
-    def check(self, prompt_ids, sampling, max_tokens, where: str):
+    def check(self, prompt_ids, sampling, max_tokens, stop_ids, where: str):
         try:
-            return self.engine.check_request(prompt_ids, sampling, max_tokens, self.tokenizer.stop_ids, where)
+            return self.engine.check_request(prompt_ids, sampling, max_tokens, stop_ids, where)
         except ValueError as e:
             raise _bad(str(e), "prompt") from None
 
@@ -293,6 +351,13 @@ def create_app(server: Server) -> FastAPI:
     async def api_error(_, e: APIError):
         return e.response()
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(http: Request, e: StarletteHTTPException):  # an unknown route or method, in OpenAI's form
+        message = {404: f"Invalid URL ({http.method} {http.url.path})",
+                   405: f"method {http.method} is not allowed on {http.url.path}"}
+        return APIError(e.status_code, message.get(e.status_code, str(e.detail)),
+                        headers=getattr(e, "headers", None)).response()
+
     def check_access(http: Request) -> None:
         """The API key and the body size, before anything else (a plain check in each /v1/ handler: a
         Starlette `BaseHTTPMiddleware` would make `is_disconnected` report a disconnect that did not happen)."""
@@ -323,7 +388,7 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/v1/models")
     async def models(http: Request):
         check_access(http)
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "hybrid", "max_model_len": server.max_model_len}]}
 
     @app.get("/metrics")
@@ -334,6 +399,7 @@ def create_app(server: Server) -> FastAPI:
         top_logprobs = server.logprobs(body, chat)
         sampling = dataclasses.replace(server.sampling(body), logprobs=top_logprobs)
         stop = server.stop_strings(body)
+        stop_ids = server.stop_ids(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise _bad("stream must be true or false", "stream")
@@ -345,7 +411,8 @@ def create_app(server: Server) -> FastAPI:
         checked = []
         for i, ids in enumerate(prompts):
             where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-            checked.append(server.check(ids, sampling, server.max_tokens(body, len(ids), default), where))
+            max_tokens = server.max_tokens(body, len(ids), default, "messages" if chat else "prompt")
+            checked.append(server.check(ids, sampling, max_tokens, stop_ids, where))
         runs = []
         try:
             for c in checked:

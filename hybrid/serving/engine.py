@@ -28,7 +28,7 @@ import torch
 
 from hybrid.batch import check_max_new_tokens, check_prompt
 from hybrid.model import HybridForCausalLM
-from hybrid.sampling import Completion, SamplingParams, for_call, sample
+from hybrid.sampling import Completion, SamplingParams, apply_penalties, for_call, sample
 from hybrid.serving.blocks import BlockPool
 from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
 from hybrid.serving import prefix_file
@@ -212,26 +212,35 @@ class Engine:
         (and the requests that finished, with why; aborted ones since the last step first)."""
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
-        if not scheduled:
+        # requests the prefix cache held whole: nothing to compute, their first token's hidden state was kept
+        ready = [r for r, n in scheduled if n == 0]
+        scheduled = [(r, n) for r, n in scheduled if n]
+        if not scheduled and not ready:
             self.last_step = StepStats()
             return outputs
-        self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n) for r, n in scheduled])
-        ids = [t for r, n in scheduled for t in r.all_ids[r.num_computed:r.num_computed + n]]
-        hidden = self.model.hidden_states(torch.tensor([ids], device=self.model.device), self.cache)[0]
-        self.last_step = StepStats(len(scheduled), len(ids), sum(n for r, n in scheduled if r.output_ids and n == 1))
-
-        ends, offset = [], 0
-        for r, n in scheduled:
-            offset += n
-            r.num_computed += n
-            if r.num_computed == r.num_tokens:
-                ends.append((r, offset - 1))
-        if self.prefix is not None:
-            self.prefix.after_step(scheduled, self.cache)
+        ends: list[tuple[Request, torch.Tensor]] = []
+        if scheduled:
+            self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n) for r, n in scheduled])
+            ids = [t for r, n in scheduled for t in r.all_ids[r.num_computed:r.num_computed + n]]
+            hidden = self.model.hidden_states(torch.tensor([ids], device=self.model.device), self.cache)[0]
+            last = torch.tensor(list(itertools.accumulate(n for _, n in scheduled)), device=hidden.device) - 1
+            last_hidden = hidden[last]
+            for row, (r, n) in enumerate(scheduled):
+                r.num_computed += n
+                if r.num_computed == r.num_tokens:
+                    ends.append((r, last_hidden[row]))
+            if self.prefix is not None:
+                self.prefix.after_step(scheduled, self.cache, last_hidden)
+        self.last_step = StepStats(len(scheduled), sum(n for _, n in scheduled),
+                                   sum(n for r, n in scheduled if r.output_ids and n == 1))
+        for r in ready:
+            ends.append((r, r.resume_hidden))
+            r.resume_hidden = None
         if not ends:
             return outputs
-        logits = self.model.logits(hidden[[i for _, i in ends]])
-        tokens = [int(sample(logits[j:j + 1], r.sampling)) for j, (r, _) in enumerate(ends)]
+        logits = self.model.logits(torch.stack([h for _, h in ends]))
+        tokens = [int(sample(apply_penalties(logits[j:j + 1], r.sampling, [r.prompt_ids], [r.output_ids]), r.sampling))
+                  for j, (r, _) in enumerate(ends)]
         logprobs = token_logprobs(logits, tokens, [r.sampling.logprobs for r, _ in ends])
         now = time.perf_counter()
         for (r, _), token, lp in zip(ends, tokens, logprobs):
@@ -266,6 +275,7 @@ class Engine:
             PrefixCacheFileError: see `hybrid.serving.prefix_file.load` (nothing is added then).
         """
         return prefix_file.load(self._require_prefix(), self.slots, path, self.model.config.vocab_size,
+                                hidden_size=self.model.config.hidden_size,
                                 grow=self.scheduler.grow)
 
     def _require_prefix(self) -> PrefixCaching:

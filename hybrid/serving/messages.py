@@ -45,11 +45,13 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict | None = 
 
 
 def sampling_params(temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                    seed: int | None = None) -> SamplingParams:
-    """A request's sampling, the API's defaults standing in for what is None.
+                    seed: int | None = None, **penalties) -> SamplingParams:
+    """A request's sampling, the API's defaults standing in for what is None; `penalties`
+    (repetition_penalty, frequency_penalty, presence_penalty) go to `SamplingParams` as given.
 
     Raises:
         ValueError: see `hybrid.sampling.SamplingParams`.
     """
     return SamplingParams(DEFAULT_TEMPERATURE if temperature is None else temperature,
-                          DEFAULT_TOP_K if top_k is None else top_k, DEFAULT_TOP_P if top_p is None else top_p, seed)
+                          DEFAULT_TOP_K if top_k is None else top_k, DEFAULT_TOP_P if top_p is None else top_p, seed,
+                          **penalties)

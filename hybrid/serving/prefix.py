@@ -11,11 +11,13 @@ values: it must have been kept. So the engine keeps two things:
   recently freed first).
 - **Snapshots**: the Mamba states of a request's slot at prompt positions that are multiples of
   `snapshot_interval` (prefill chunks end there) and at the end of its prompt, each with the keys and values
-  of its last partial block (fewer than `block_size` tokens), keyed by the name of its last full block and
-  the partial block's tokens. They count against `max_bytes`, least recently used evicted first.
+  of its last partial block (fewer than `block_size` tokens) and the final hidden state of its last token
+  (what the logits of the next token are computed from), keyed by the name of its last full block and the
+  partial block's tokens. They count against `max_bytes`, least recently used evicted first.
 
-A new request resumes from the longest snapshot that matches its prompt, leaves at least one prompt token
-to run (its logits give the first new token) and whose full blocks are all still named in the pool: it holds
+A new request resumes from the longest snapshot that matches its prompt (the whole prompt included: a prompt
+sent again computes nothing, its first token's logits come from the kept hidden state, where vLLM recomputes
+the last token) and whose full blocks are all still named in the pool: it holds
 those blocks (shared, reference-counted), the snapshot's partial-block keys and values are copied into a
 block of its own and the Mamba states into its slot. Shared blocks are never written: a request writes only
 positions past its resume point, which lie in its own blocks. Turn 2 of a conversation resumes at turn 1's
@@ -52,7 +54,9 @@ class Snapshot:
 
     parent: the name of the last full block (the model identity when there is none); tail: the tokens of the
     partial block after it; mamba: per Mamba layer (conv [conv_dim, K-1], ssm [nh, P, N]); tail_kv: per
-    attention layer (k, v) [nkv, len(tail), hd].
+    attention layer (k, v) [nkv, len(tail), hd]; last_hidden: the normalised final hidden state of the
+    prefix's last token [hidden_size] (`HybridForCausalLM.hidden_states`), or None (then a prompt of exactly
+    this prefix cannot resume from it: its first token needs these logits).
     """
 
     parent: str
@@ -60,10 +64,13 @@ class Snapshot:
     length: int
     mamba: list[tuple[torch.Tensor, torch.Tensor]]
     tail_kv: list[tuple[torch.Tensor, torch.Tensor]]
+    last_hidden: torch.Tensor | None = None
     nbytes: int = field(init=False)
 
     def __post_init__(self):
         self.nbytes = sum(t.nelement() * t.element_size() for pair in self.mamba + self.tail_kv for t in pair)
+        if self.last_hidden is not None:
+            self.nbytes += self.last_hidden.nelement() * self.last_hidden.element_size()
 
 
 class PrefixCaching:
@@ -120,8 +127,9 @@ class PrefixCaching:
                 self.nbytes -= self.snapshots.pop((digest, tail)).nbytes
 
     def lookup(self, prompt: list[int], names: list[str]) -> tuple[list[int], Snapshot] | None:
-        """The blocks and snapshot `prompt` would resume from (its longest usable snapshot), or None.
-        `names`: the names of its full blocks before its last token."""
+        """The blocks and snapshot `prompt` would resume from (its longest usable snapshot: shorter than the
+        prompt, or all of it when the snapshot kept its last hidden state), or None. `names`: the names of
+        its full blocks."""
         self._prune()
         bs = self.blocks.block_size
         present = 0
@@ -132,7 +140,8 @@ class PrefixCaching:
             best = None
             for tail in self._tails.get(parent, ()):
                 end = k * bs + len(tail)
-                if end < len(prompt) and tuple(prompt[k * bs:end]) == tail and (best is None or len(tail) > len(best)):
+                whole = end == len(prompt) and self.snapshots[(parent, tail)].last_hidden is not None
+                if (end < len(prompt) or whole) and tuple(prompt[k * bs:end]) == tail and (best is None or len(tail) > len(best)):
                     best = tail
             if best is not None:
                 return [self.blocks.find(n) for n in names[:k]], self.snapshots[(parent, best)]
@@ -141,7 +150,7 @@ class PrefixCaching:
     def match(self, prompt: list[int]) -> int:
         """Prompt tokens a request of `prompt` would take from the cache now (nothing is held)."""
         names, parent = [], self.identity
-        for i in range((len(prompt) - 1) // self.blocks.block_size):
+        for i in range(len(prompt) // self.blocks.block_size):
             parent = block_digest(parent, prompt[i * self.blocks.block_size:(i + 1) * self.blocks.block_size])
             names.append(parent)
         hit = self.lookup(prompt, names)
@@ -151,10 +160,11 @@ class PrefixCaching:
         """Find `request`'s longest usable snapshot; hold its full blocks (as the request's first blocks) and
         set `num_computed` to its length. The states are written by `restore_state` once the request has a
         slot and its next blocks. The scheduler undoes this (`forget`, releasing the blocks) if it cannot
-        admit the request."""
+        admit the request. A hit on the whole prompt leaves nothing to compute: `restore_state` hands the
+        kept hidden state to the request (`Request.resume_hidden`) for its first token."""
         request.num_cached_tokens = 0
         prompt = request.prompt_ids
-        hit = self.lookup(prompt, self.digests(request, (len(prompt) - 1) // self.blocks.block_size))
+        hit = self.lookup(prompt, self.digests(request, len(prompt) // self.blocks.block_size))
         if hit is None:
             return
         table, snapshot = hit
@@ -174,6 +184,8 @@ class PrefixCaching:
             return
         self.hits += 1
         self.cached_tokens += snapshot.length
+        if request.num_computed == request.num_tokens:  # the whole prompt (and no output yet): nothing to run
+            request.resume_hidden = snapshot.last_hidden
         slots.write(request.slot, snapshot.mamba)
         if snapshot.tail:
             block = request.block_table[snapshot.length // self.blocks.block_size]
@@ -191,9 +203,10 @@ class PrefixCaching:
         return min(len(request.prompt_ids), (request.num_computed // step + 1) * step)
 
     # ------------------------------------------------------------------------------------------ after a forward
-    def after_step(self, scheduled: list[tuple[Request, int]], cache: PagedCache) -> None:
+    def after_step(self, scheduled: list[tuple[Request, int]], cache: PagedCache, last_hidden: torch.Tensor) -> None:
         """Name the blocks that this forward filled and snapshot the states at snapshot positions; row `i`
-        of `cache` is `scheduled[i]` (whose `num_computed` already counts this forward)."""
+        of `cache` is `scheduled[i]` (whose `num_computed` already counts this forward) and `last_hidden[i]`
+        the final hidden state of its last token this forward."""
         bs = self.blocks.block_size
         for row, (request, n) in enumerate(scheduled):
             full = request.num_computed // bs
@@ -205,9 +218,9 @@ class PrefixCaching:
                 self.blocks.name(request.block_table[b], BlockName(names[b], parent, tuple(ids[b * bs:(b + 1) * bs])))
             length, prompt = request.num_computed, len(request.prompt_ids)
             if length <= prompt and (length % self.snapshot_interval == 0 or length == prompt):
-                self._snapshot(request, row, cache)
+                self._snapshot(request, row, cache, last_hidden[row])
 
-    def _snapshot(self, request: Request, row: int, cache: PagedCache) -> None:
+    def _snapshot(self, request: Request, row: int, cache: PagedCache, last_hidden: torch.Tensor) -> None:
         self._prune()
         bs, length = self.blocks.block_size, request.num_computed
         k = length // bs
@@ -216,7 +229,8 @@ class PrefixCaching:
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
             return
-        self.add(Snapshot(parent, key[1], length, cache.snapshot_mamba(row), cache.snapshot_kv(row, k * bs, length)))
+        self.add(Snapshot(parent, key[1], length, cache.snapshot_mamba(row), cache.snapshot_kv(row, k * bs, length),
+                          last_hidden.clone()))
 
     def add(self, snapshot: Snapshot) -> bool:
         """Keep `snapshot` (most recently used), evicting the least recently used ones past `max_bytes`;

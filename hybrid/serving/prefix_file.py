@@ -8,8 +8,10 @@ block_size token ids}). Names are not stored: they are recomputed from the token
 a file cannot name a block for a prefix it does not hold.
 
 Tensors: `block.{i}.{j}.k` / `.v` [block_size, num_key_value_heads, head_dim] (attention layer j),
-`snapshot.{i}.mamba.{j}.conv` [conv_dim, K-1] / `.ssm` [nh, P, N] (Mamba layer j), and for a non-empty tail
-`snapshot.{i}.kv.{j}.k` / `.v` [num_key_value_heads, len(tail), head_dim]; dtypes those of the pools.
+`snapshot.{i}.mamba.{j}.conv` [conv_dim, K-1] / `.ssm` [nh, P, N] (Mamba layer j), for a non-empty tail
+`snapshot.{i}.kv.{j}.k` / `.v` [num_key_value_heads, len(tail), head_dim], and, when the snapshot kept it,
+`snapshot.{i}.hidden` [hidden_size] (its last token's final hidden state: a prompt of exactly that prefix
+then resumes from it whole); dtypes those of the pools.
 
 Loading checks the whole file first; a file that fails adds nothing (`PrefixCacheFileError` names the file
 and the entry). Saving writes beside the path and renames (`hybrid.atomic`).
@@ -67,16 +69,20 @@ def save(prefix: PrefixCaching, path: str | Path) -> None:
         if snapshot.tail:
             for j, (k, v) in enumerate(snapshot.tail_kv):
                 tensors[f"snapshot.{i}.kv.{j}.k"], tensors[f"snapshot.{i}.kv.{j}.v"] = k.contiguous(), v.contiguous()
+        if snapshot.last_hidden is not None:
+            tensors[f"snapshot.{i}.hidden"] = snapshot.last_hidden.contiguous()
     meta = {"format": FORMAT, "version": VERSION, "identity": prefix.identity, "block_size": str(blocks.block_size),
             "blocks": json.dumps(entries), "snapshots": json.dumps(snapshots)}
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=meta)
 
 
-def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size: int, grow: bool = False) -> int:
+def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size: int, grow: bool = False,
+         hidden_size: int | None = None) -> int:
     """Add the blocks and snapshots of `path` (see `save`); returns the snapshots added. Blocks go into free
     blocks of the pool (grown first when `grow`; otherwise as many as fit, parents first, least recently used
     cached blocks handed out first), each left free and named; a snapshot whose block did not fit is left out.
+    Snapshots keep their last hidden states when `hidden_size` is given (checked against it), else drop them.
 
     Raises:
         PrefixCacheFileError: not a readable safetensors file (cut short, another format), another format
@@ -90,7 +96,7 @@ def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size:
     device = str(prefix.blocks.k[0].device) if prefix.blocks.k else "cpu"
     try:
         with safe_open(str(path), framework="pt", device=device) as f:
-            blocks, snapshots = _read(prefix, slots, path, f, vocab_size)
+            blocks, snapshots = _read(prefix, slots, path, f, vocab_size, hidden_size)
     except (SafetensorError, OSError) as e:
         raise PrefixCacheFileError(f"{path}: not a readable prefix-cache file ({e})") from None
     pool = prefix.blocks
@@ -109,7 +115,7 @@ def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size:
     return sum(prefix.add(s) for s in usable)  # a snapshot whose blocks did not fit would never be used
 
 
-def _read(prefix: PrefixCaching, slots: StateSlots, path, f, vocab_size: int):
+def _read(prefix: PrefixCaching, slots: StateSlots, path, f, vocab_size: int, hidden_size: int | None):
     """([(BlockName, kv per attention layer)], [Snapshot]) of open file `f`, everything checked."""
     def bad(why: str) -> PrefixCacheFileError:
         return PrefixCacheFileError(f"{path}: {why}")
@@ -175,7 +181,10 @@ def _read(prefix: PrefixCaching, slots: StateSlots, path, f, vocab_size: int):
         length = (depth[e["parent"]] if e["parent"] >= 0 else 0) * bs + len(tail)
         if length == 0:
             raise bad(f"snapshots entry {i} holds no tokens (parent -1 and an empty tail)")
-        snapshots.append(Snapshot(parent, tail, length, mamba, tail_kv))
+        hidden = f"snapshot.{i}.hidden"
+        last_hidden = get(hidden, (hidden_size,), kv_shape[0][1] if kv_shape else conv_spec[0][1]) \
+            if hidden in keys and hidden_size is not None else None
+        snapshots.append(Snapshot(parent, tail, length, mamba, tail_kv, last_hidden))
     return blocks, snapshots
 
 

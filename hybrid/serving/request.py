@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from hybrid.sampling import SamplingParams
 
 
@@ -39,6 +41,9 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     block_hashes: list[str] = field(default_factory=list)  # prefix hashes of its full blocks, in order
+    # the kept final hidden state of its prompt's last token, when the prefix cache held the whole prompt
+    # (the first token is sampled from it with no forward); None otherwise and once used
+    resume_hidden: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def all_ids(self) -> list[int]:

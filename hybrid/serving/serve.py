@@ -9,6 +9,7 @@ The capacity is printed at start. `hybrid chat` builds its engine the same way (
 
 from __future__ import annotations
 
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,13 +98,36 @@ def save_prefix_cache(engine: Engine, args) -> None:
         print(f"prefix cache saved to {args.prefix_cache_file}", file=sys.stderr)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) for uvicorn to serve on (SO_REUSEADDR, as uvicorn sets it); an
+    IPv6 host (e.g. "::") gets an IPv6 socket.
+
+    Raises:
+        OSError: the host does not resolve, or the address is taken or not this machine's.
+    """
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def serve(args) -> int:
     """Run the server until interrupted (the `hybrid serve` command): the engine's loop on this (the main)
     thread, which loaded the model, and uvicorn on another (why: `hybrid.serving.runner`). SIGINT or SIGTERM
     shuts uvicorn down gracefully (a second one: at once); the engine steps until it has.
 
+    The address is bound before the model loads (as vLLM does): a taken port is an error at once, and
+    "serving ... on URL" is printed only once the address is held.
+
     Returns:
-        0, or 1 when uvicorn did not start (e.g. the port is taken: uvicorn says so).
+        0, or 1 when the address cannot be bound or uvicorn did not start.
     """
     import signal
     import threading
@@ -115,6 +139,11 @@ def serve(args) -> int:
     from hybrid.serving.api import Server, create_app
     from hybrid.serving.runner import EngineRunner
 
+    try:  # before the model loads: a taken port fails at once (and the address is printed only once held)
+        listener = listen(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args.model, dtype=args.dtype)
@@ -126,7 +155,7 @@ def serve(args) -> int:
 
     def http() -> None:
         try:
-            server.run()
+            server.run(sockets=[listener])
         finally:
             runner.close()
 
