@@ -10,8 +10,8 @@ tensor per expert (`experts.{j}.up_proj.weight`); the loader stacks them into `u
     PrepackedExpertBank  bf16 experts prepacked for CPU inference (`moe.quant.prepacked`, `moe.quant.kernels.bf16`)
 
 All three share `dispatch`: the (token, expert) pairs are sorted by expert and gathered once, each chosen
-expert runs over its contiguous slice of tokens, experts nobody chose are never touched, and the weighted
-outputs are summed per token in fp32.
+expert runs over its contiguous slice of tokens (on the CPU kernels all of them in one call: `group`),
+experts nobody chose are never touched, and the weighted outputs are summed per token in fp32.
 """
 
 from __future__ import annotations
@@ -52,13 +52,15 @@ def _combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, token_
 
 def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int,
              expert: Callable[[int, torch.Tensor], torch.Tensor],
-             one_token: Callable[[list[int], torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+             group: Callable[[list[int], list[torch.Tensor]], list[torch.Tensor]] | None = None) -> torch.Tensor:
     """Run `expert(e, x_e)` for every expert e that some token chose, and combine: x [T, L], weights [T, k]
     fp32, ids [T, k] -> [T, L] in x's dtype.
 
-    Each chosen expert gets its contiguous slice `x_e` [n_e, L] of the tokens sorted by expert. A single
-    token (decode at batch 1) skips the sort: its k experts run in turn, or all at once through
-    `one_token(chosen, x)` -> [k, 1, L] when given (a bank's kernel taking the k experts in one call).
+    Each chosen expert gets its contiguous slice `x_e` [n_e, L] of the tokens sorted by expert; a single
+    token (decode at batch 1) skips the sort. With `group(experts, xs)` (a bank's kernel taking several
+    experts in one call, equal to `[expert(e, x_e) for e, x_e in zip(experts, xs)]`) all the chosen experts
+    run in one call: one fork of the threads, balanced over every expert's tiles, instead of one per expert
+    (a decode step of 16 sequences chooses most of the experts of every layer, with 1-4 rows each).
     Pairs whose id lies outside [0, n_experts) (experts another rank holds, `hybrid.parallel`) are skipped:
     they add nothing to the sum.
     """
@@ -70,8 +72,9 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
             if not bool(keep.any()):
                 return x.new_zeros(1, x.shape[-1])
             ids, weights = ids[:, keep], weights[:, keep]
-        if one_token is not None:
-            y = one_token(ids[0].tolist(), x)
+        if group is not None:
+            chosen = ids[0].tolist()
+            y = torch.stack(group(chosen, [x] * len(chosen)))  # [k, 1, L]
             return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # summed in fp32
         y = torch.zeros(1, x.shape[-1], dtype=torch.float32, device=x.device)
         for e, w in zip(ids[0].tolist(), weights[0].tolist()):
@@ -86,7 +89,8 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
         return x.new_zeros(T, x.shape[-1])
     order, token_of = order[:m], token_of[:m]
     parts = torch.split(x[token_of], counts)
-    ys = [expert(e, part) for e, part in enumerate(parts) if counts[e]]
+    chosen = [e for e in range(n_experts) if counts[e]]
+    ys = group(chosen, [parts[e] for e in chosen]) if group is not None else [expert(e, parts[e]) for e in chosen]
     return _combine(torch.cat(ys), weights, order, token_of, T, x.dtype)
 
 
@@ -165,18 +169,18 @@ class QuantExpertBank(nn.Module):
         if not self.act_quant and all(isinstance(p, PackedWeight) for p in (self.up_proj, self.down_proj)) \
                 and kernels.triton_for(x, self.up_proj.fmt, self.down_proj.fmt) is not None:
             return self.fused(x, weights, ids)
-        one_token = self._one_token_cpu if not self.act_quant and all(
+        group = self._group_cpu if not self.act_quant and all(
             isinstance(p, PackedWeight) and kernels.cpu_for(x, p.fmt) is not None for p in (self.up_proj, self.down_proj)
         ) else None
         return dispatch(x, weights, ids, self.n_experts,
                         lambda e, part: self._matmul(self.down_proj, relu2(self._matmul(self.up_proj, part, e)), e),
-                        one_token)
+                        group)
 
-    def _one_token_cpu(self, chosen: list[int], x: torch.Tensor) -> torch.Tensor:
-        """One token's k experts on the CPU kernels -> [k, 1, L]: their up projections in one call of the
+    def _group_cpu(self, chosen: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Experts `chosen` over their inputs `xs` on the CPU kernels: their up projections in one call of the
         extension, then their down projections in another; the same operations as `_matmul` otherwise."""
-        h = [relu2(t.to(x.dtype)) for t in cpu.linear_group([x] * len(chosen), self.up_proj, chosen)]
-        return torch.stack(cpu.linear_group(h, self.down_proj, chosen)).to(x.dtype)
+        h = [relu2(t.to(x.dtype)) for x, t in zip(xs, cpu.linear_group(xs, self.up_proj, chosen))]
+        return [t.to(x.dtype) for x, t in zip(xs, cpu.linear_group(h, self.down_proj, chosen))]
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The forward with both projections of all chosen experts in two grouped Triton launches (weights
@@ -238,12 +242,13 @@ class PrepackedExpertBank(Prepacked):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return dispatch(x, weights, ids, self.n_experts, lambda e, part: bf16.linear(
-            bf16.linear(part, self.up[e], relu=True).square(), self.down[e]), self._one_token)
+            bf16.linear(part, self.up[e], relu=True).square(), self.down[e]), self._group)
 
-    def _one_token(self, chosen: list[int], x: torch.Tensor) -> torch.Tensor:
-        """One token's k experts -> [k, 1, L]: their up projections in one kernel call, then the downs."""
-        h = bf16.linear_group([x] * len(chosen), [self.up[e] for e in chosen], relu=True)
-        return torch.stack(bf16.linear_group([t.square() for t in h], [self.down[e] for e in chosen]))
+    def _group(self, chosen: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Experts `chosen` over their inputs `xs`: their up projections in one kernel call, then the downs
+        (`bf16.linear_group`: one call while every input has at most `DECODE_ROWS` rows, else one each)."""
+        h = bf16.linear_group(xs, [self.up[e] for e in chosen], relu=True)
+        return bf16.linear_group([t.square() for t in h], [self.down[e] for e in chosen])
 
     def dense_pieces(self):
         """(name, [E, out, in], its E experts' dense weights one at a time), for `up_proj` and `down_proj`."""

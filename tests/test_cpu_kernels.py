@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from moe.experts import ExpertBank, QuantExpertBank
+from moe.experts import ExpertBank, QuantExpertBank, dispatch, relu2
 from moe.quant import PackedWeight, QuantLinear, kernels
 from moe.quant.config import modelopt_format
 from moe.quant.e4m3 import e4m3_value
@@ -164,6 +164,32 @@ def test_fp8_blocks_narrower_than_a_bf16_chunk():
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(3, 200).to(dtype)
         assert_exact(cpu.linear(x, q), x, q.dequantize(torch.float64))
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_bank_runs_many_tokens_chosen_experts_in_one_call_per_projection(name, monkeypatch):
+    """16 tokens (a decode step of 16 sequences) over 6 packed experts: one `cpu.linear_group` call per
+    projection for all the chosen experts, exactly the result of one call per expert (`_matmul`)."""
+    E, I, H = 6, 96, 128
+    g = torch.Generator().manual_seed(4)
+    bank = ExpertBank(E, H, I)
+    with torch.no_grad():
+        bank.up_proj.copy_(torch.randn(E, I, H, generator=g) * 0.1)
+        bank.down_proj.copy_(torch.randn(E, H, I, generator=g) * 0.1)
+    qbank = QuantExpertBank.from_bank(bank, FORMATS[name], FORMATS[name], torch.ones(E), torch.ones(E))
+    x = torch.randn(16, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(16)])
+    weights = torch.rand(16, 2, generator=g)
+    calls = []
+    group = cpu.linear_group
+    monkeypatch.setattr(cpu, "linear_group", lambda xs, w, experts, ext=None: calls.append(list(experts)) or group(xs, w, experts, ext))
+    with torch.no_grad():
+        got = qbank(x, weights, ids)
+        n = len(calls)
+        each = dispatch(x, weights, ids, E, lambda e, part: qbank._matmul(
+            qbank.down_proj, relu2(qbank._matmul(qbank.up_proj, part, e)), e))
+    chosen = sorted(set(ids.flatten().tolist()))
+    assert calls[:n] == [chosen, chosen] and torch.equal(got, each)
 
 
 def test_the_modules_use_the_kernels_and_never_dequantize(monkeypatch):

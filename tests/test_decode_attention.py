@@ -1,11 +1,16 @@
-"""`hybrid.layers.attention.decode_attention` (one query over unmasked keys, the CPU decode path) against a
-float64 softmax attention, and the layer's decode through it against its SDPA path."""
+"""`hybrid.layers.attention.decode_attention` (one query over unmasked keys, the CPU decode path) and its C++
+kernel (`hybrid.ops.cpu.attention_module`: dense and paged rows) against a float64 softmax attention; the
+kernel's dense and paged entries give the same bits; the layer's decode through them against its SDPA path;
+a packed engine step's decodes through the paged entry equal the step without the kernel."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid.layers.attention import decode_attention
+from hybrid.layers.attention import decode_attention, one_query_attention
+from hybrid.ops.cpu import attention_module
+
+needs_kernel = pytest.mark.skipif(attention_module() is None, reason="the decode-attention kernel is not built here")
 
 
 def reference(q, k, v):
@@ -16,13 +21,16 @@ def reference(q, k, v):
     return scores.softmax(dim=-1) @ v
 
 
+@pytest.mark.parametrize("fn", [decode_attention, pytest.param(one_query_attention, marks=needs_kernel)],
+                         ids=["pytorch", "kernel"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("nq,nkv,hd,S", [(16, 2, 64, 2070), (32, 2, 128, 300), (4, 4, 16, 1), (6, 1, 32, 17)])
-def test_decode_attention_equals_float64_attention(dtype, tol, nq, nkv, hd, S):
+@pytest.mark.parametrize("nq,nkv,hd,S", [(16, 2, 64, 2070), (32, 2, 128, 300), (4, 4, 16, 1), (6, 1, 32, 17),
+                                         (4, 2, 20, 33)])
+def test_decode_attention_equals_float64_attention(fn, dtype, tol, nq, nkv, hd, S):
     g = torch.Generator().manual_seed(nq * S + hd)
     q, k, v = (torch.randn(b_shape, generator=g).to(dtype) for b_shape in
                ((3, nq, 1, hd), (3, nkv, S, hd), (3, nkv, S, hd)))
-    got = decode_attention(q, k, v)
+    got = fn(q, k, v)
     assert got.shape == q.shape and got.dtype == dtype
     want = reference(q, k, v)
     # fp32: sums' rounding only; bf16: the output's rounding (8 bits) on values of magnitude <= max |v|
@@ -57,3 +65,58 @@ def test_the_layers_decode_equals_its_sdpa_path():
         got = layer(x[:, 11:], StepContext(past=11, mask=None, key_mask=None), kv)
         want = layer(x, StepContext(past=0, mask=None, key_mask=None), None)[:, 11:]  # causal SDPA, no cache
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_paged_rows_give_the_bits_of_its_dense_rows(dtype):
+    """Three sequences' keys scattered over a pool's rows in a shuffled order (a paged cache's blocks): the
+    paged entry reads them in place and gives exactly the dense entry's result over the same keys in order,
+    whatever strides the dense keys have (a cache's [b, nkv, capacity, hd] storage sliced to its length)."""
+    ext = attention_module()
+    g = torch.Generator().manual_seed(5)
+    nq, nkv, hd, lengths = 8, 2, 64, [37, 1, 130]
+    pool_k, pool_v = (torch.randn(400, nkv, hd, generator=g).to(dtype) for _ in range(2))
+    order = torch.randperm(400, generator=g)
+    rows, start = [], 0
+    for n in lengths:
+        rows.append(order[start:start + n])
+        start += n
+    q = torch.randn(3, nq, hd, generator=g).to(dtype)
+    paged = ext.paged_decode_attention(q, pool_k, pool_v, rows, hd ** -0.5)
+    for s, r in enumerate(rows):
+        store_k = torch.zeros(1, nkv, 200, hd, dtype=dtype)  # capacity 200, the first len(r) positions used
+        store_v = torch.zeros(1, nkv, 200, hd, dtype=dtype)
+        store_k[0, :, :len(r)] = pool_k[r].transpose(0, 1)
+        store_v[0, :, :len(r)] = pool_v[r].transpose(0, 1)
+        dense = ext.decode_attention(q[s:s + 1], store_k[:, :, :len(r)], store_v[:, :, :len(r)], hd ** -0.5)
+        assert torch.equal(paged[s], dense[0])
+        want = reference(q[s:s + 1, :, None], pool_k[r].transpose(0, 1)[None], pool_v[r].transpose(0, 1)[None])
+        assert float((paged[s].double() - want[0, :, 0]).abs().max()) <= 1e-5 * float(pool_v.double().abs().max())
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ext.paged_decode_attention(q[:1], pool_k, pool_v, [torch.tensor([0, 400])], 1.0)
+
+
+@needs_kernel
+def test_an_engine_step_of_decodes_through_the_paged_kernel_equals_the_reference_path(monkeypatch):
+    """The serving engine (its paged cache offers `attend_decode`) generates the greedy tokens it generates
+    with the kernel off (the reference: per-sequence gathers and `decode_attention`), and those of
+    `generate_ids` alone (the dense entry of the same kernel)."""
+    import hybrid.layers.attention as attention
+    from hybrid.cli import DEFAULT_CHECKPOINT
+    from hybrid.generate import generate_ids
+    from hybrid.loading import load
+    from hybrid.sampling import SamplingParams
+    from hybrid.serving.engine import Engine
+
+    model, tok = load(DEFAULT_CHECKPOINT, dtype="fp32")
+    prompts = [tok.encode(t) for t in ("The for statement is used to", "A list is", "Once upon a time, in a land")]
+    engine = Engine(model, num_blocks=256, max_num_seqs=4)
+    calls = []
+    kernel = attention.decode_kernel
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k: calls.append(1) or kernel(q, k))
+    fast = engine.generate(prompts, SamplingParams(logprobs=0), max_tokens=24)
+    alone = [generate_ids(model, [p], max_new_tokens=24)[0].token_ids for p in prompts]
+    monkeypatch.setattr(attention, "decode_kernel", lambda q, k: None)
+    slow = engine.generate(prompts, SamplingParams(logprobs=0), max_tokens=24)
+    assert calls and [c.token_ids for c in fast] == [c.token_ids for c in slow] == alone

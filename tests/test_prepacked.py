@@ -19,7 +19,7 @@ from hybrid.accounting import resident_bytes
 from hybrid.checkpoint_files import CheckpointFiles
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.generate import generate_ids
-from moe.experts import ExpertBank, PrepackedExpertBank
+from moe.experts import ExpertBank, PrepackedExpertBank, dispatch
 from moe.prepack import prepack, unpack
 from moe.quant.kernels import bf16, onednn
 from moe.quant.prepacked import PrepackedLinear
@@ -108,6 +108,28 @@ def test_packed_expert_bank_matches_bank(form):
         _assert_bf16_close(packed(x, weights, ids), ref)
         _assert_bf16_close(packed(x[:1], weights[:1], ids[:1]), ref[:1])  # the single-token path of dispatch
     assert torch.equal(packed.up_proj, bank.up_proj) and torch.equal(packed.down_proj, bank.down_proj)
+
+
+def test_many_tokens_run_their_chosen_experts_in_one_call_per_projection(form, monkeypatch):
+    """A decode step of 16 sequences chooses most experts with a few rows each: the bank runs all of them in
+    one `linear_group` call per projection, and the result is exactly that of one call per expert."""
+    torch.manual_seed(2)
+    bank = ExpertBank(8, 64, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        bank.up_proj.normal_(0, 0.2)
+        bank.down_proj.normal_(0, 0.2)
+    packed = PrepackedExpertBank(bank)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    ids, weights = torch.stack([torch.randperm(8)[:2] for _ in range(16)]), torch.rand(16, 2)
+    calls = []
+    group = bf16.linear_group
+    monkeypatch.setattr(bf16, "linear_group", lambda xs, packs, relu=False: calls.append(len(xs)) or group(xs, packs, relu))
+    with torch.inference_mode():
+        got = packed(x, weights, ids)
+        each = dispatch(x, weights, ids, 8, lambda e, part: bf16.linear(
+            bf16.linear(part, packed.up[e], relu=True).square(), packed.down[e]))
+    chosen = len(set(ids.flatten().tolist()))
+    assert calls == [chosen, chosen] and torch.equal(got, each)
 
 
 @pytest.mark.parametrize("name", ["all4_ng2_gqa4_c8", "tied_c8"])

@@ -3,7 +3,9 @@
 Nemotron-H attention applies no RoPE: `rope_theta` in published configs is a leftover and is ignored.
 `q_proj [nq*hd, H]`, `k_proj`/`v_proj [nkv*hd, H]`, `o_proj [H, nq*hd]`, causal softmax attention with scale
 `hd ** -0.5` through `torch.nn.functional.scaled_dot_product_attention` (reference: transformers
-`NemotronHAttention`); one query over unmasked keys on the CPU (a decode step) by `decode_attention`.
+`NemotronHAttention`); one query over unmasked keys on the CPU (a decode step) by `decode_attention`, the
+specification of the C++ kernel that runs it when built (`hybrid.ops.cpu.attention_module`: the keys and
+values read where they lie, a paged cache's pool rows included, never gathered into a copy).
 """
 
 from __future__ import annotations
@@ -51,6 +53,29 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return out.reshape(b, nq, 1, hd).to(q.dtype)
 
 
+def decode_kernel(q: torch.Tensor, k: torch.Tensor):
+    """The CPU decode-attention extension for queries `q` over keys `k` (CPU, both fp32 or both bf16, the
+    head dimension contiguous), or None: `decode_attention` then."""
+    if q.device.type != "cpu" or q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16) \
+            or k.stride(-1) != 1:
+        return None
+    from hybrid.ops.cpu import attention_module
+
+    return attention_module()
+
+
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """`decode_attention` (shapes and result as there), through the C++ kernel when it is built: the same
+    fp32 math with the sums in another order, reading k and v where they lie (no fp32 copies; a paged cache's
+    rows without gathering them). A 16-sequence decode step of the medium preset over 2K keys, 2 threads:
+    0.29 ms per sequence and layer, against 0.48 for the gather and `decode_attention`."""
+    ext = decode_kernel(q, k)
+    if ext is None or v.stride(-1) != 1 or v.stride() != k.stride():
+        return decode_attention(q, k, v)
+    b, nq, _, hd = q.shape
+    return ext.decode_attention(q.reshape(b, nq, hd), k, v, hd ** -0.5).reshape(b, nq, 1, hd).to(q.dtype)
+
+
 class Attention(nn.Module):
     """Shapes: x [B, T, hidden_size] -> [B, T, hidden_size]; keys and values appended to the `KVCache`."""
 
@@ -77,9 +102,27 @@ class Attention(nn.Module):
         if ctx.packed is None:
             out = self._attend(q, k, v, ctx, kv)
         else:  # each packed sequence attends to its own keys only
-            out = torch.cat([self._attend(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], ctx.for_sequence(s), kv.seq(s))
-                             for s, s0, s1 in ctx.packed.segments()], dim=2)
+            out = self._attend_packed(q, k, v, ctx, kv)
         return self.o_proj(out.transpose(1, 2).reshape(b, T, self.num_heads * self.head_dim))
+
+    def _attend_packed(self, q, k, v, ctx: StepContext, kv) -> torch.Tensor:
+        """A packed forward's attention, [1, nq, T, hd]: the one-token (decode) sequences together through
+        the kernel's paged entry when the cache offers it (`attend_decode`: one call over their pool rows),
+        the others each alone."""
+        segments = list(ctx.packed.segments())
+        ext = decode_kernel(q, k) if hasattr(kv, "attend_decode") else None
+        ones = [i for i, (_, s0, s1) in enumerate(segments) if s1 - s0 == 1] if ext is not None else []
+        outs: list[torch.Tensor | None] = [None] * len(segments)
+        if ones:
+            at = torch.tensor([segments[i][1] for i in ones], device=q.device)
+            got = kv.attend_decode([segments[i][0] for i in ones], q[0][:, at].transpose(0, 1),
+                                   k[0][:, at].transpose(0, 1), v[0][:, at].transpose(0, 1), ext)  # [n, nq, hd]
+            for j, i in enumerate(ones):
+                outs[i] = got[j][None, :, None].to(q.dtype)
+        for i, (s, s0, s1) in enumerate(segments):
+            if outs[i] is None:
+                outs[i] = self._attend(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], ctx.for_sequence(s), kv.seq(s))
+        return torch.cat(outs, dim=2)
 
     def _attend(self, q, k, v, ctx: StepContext, kv) -> torch.Tensor:
         """Causal attention of q [b, nq, T, hd] over the cached keys and values plus k, v [b, nkv, T, hd]
@@ -89,7 +132,7 @@ class Attention(nn.Module):
             k, v = kv.update(k, v, ctx.past)
         mask = attention_mask(ctx, T, q.device)
         if T == 1 and mask is None and q.device.type == "cpu":
-            return decode_attention(q, k, v)
+            return one_query_attention(q, k, v)
         is_causal = mask is None and T > 1
         if self.num_kv_heads != self.num_heads and not _SDPA_HAS_GQA:  # torch 2.4
             k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)

@@ -1,9 +1,14 @@
-"""The Mamba-2 decode step on the CPU: the C++ extension `cpu_mamba.cpp`, compiled on first use.
+"""The decode steps on the CPU: C++ extensions compiled on first use.
 
-It fuses what `hybrid.ops.decode` does with several small PyTorch operations per sequence (conv step, dt,
-SSD step, D skip) into one parallel loop over the sequences' heads, reading and writing each state once,
-in place in its row of the pool. Built like the packed-weight kernels (`moe.quant.kernels.cpu.build`:
-cached by source, torch and CPU; `HYBRID_CPU_KERNELS=0` or a failed build leaves the PyTorch path).
+- `cpu_mamba.cpp` (`module`): what `hybrid.ops.decode` does with several small PyTorch operations per
+  sequence (conv step, dt, SSD step, D skip) in one parallel loop over the sequences' heads, reading and
+  writing each state once, in place in its row of the pool.
+- `cpu_attention.cpp` (`attention_module`): one query per sequence over its keys and values where they lie
+  (a dense cache's rows, or a paged cache's pool rows, never gathered into a copy), in one parallel loop
+  over the sequences' KV heads.
+
+Built like the packed-weight kernels (`moe.quant.kernels.cpu.build`: cached by source, torch and CPU;
+`HYBRID_CPU_KERNELS=0` or a failed build leaves the PyTorch path).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import functools
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_mamba.cpp")
+ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
 
 
 @functools.cache
@@ -21,3 +27,12 @@ def module():
 
     return build(SOURCE, "hybrid_mamba", what="the Mamba-2 decode kernel (once for this source, torch and CPU; "
                                               "about 30 s)")
+
+
+@functools.cache
+def attention_module():
+    """The compiled decode-attention extension, or None (disabled, or it cannot be built)."""
+    from moe.quant.kernels.cpu import build
+
+    return build(ATTENTION_SOURCE, "hybrid_attention", what="the decode-attention kernel (once for this source, "
+                                                            "torch and CPU; about 20 s)")

@@ -60,6 +60,21 @@ class _KVLayer:
         return _SeqKV(blocks.k[self.j].view(flat), blocks.v[self.j].view(flat), self.cache.position_index(s))
 
 
+    def attend_decode(self, seqs: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ext) -> torch.Tensor:
+        """One new token of each sequence `seqs` (each scheduled with one token): store its key and value
+        k / v [n, nkv, hd] at its position and attend its query q [n, nq, hd] over all of its positions'
+        rows in the pool, through `ext.paged_decode_attention` (`hybrid.ops.cpu.attention_module`: the rows
+        read in place, no gathered copy) -> [n, nq, hd] fp32."""
+        blocks = self.cache.blocks
+        flat = (-1, blocks.k[self.j].shape[2], blocks.k[self.j].shape[3])
+        k_pool, v_pool = blocks.k[self.j].view(flat), blocks.v[self.j].view(flat)
+        rows = [self.cache.position_index(s) for s in seqs]
+        new = torch.stack([r[-1] for r in rows])
+        k_pool.index_copy_(0, new, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, new, v.to(v_pool.dtype))
+        return ext.paged_decode_attention(q, k_pool, v_pool, rows, q.shape[-1] ** -0.5)
+
+
 class _MambaLayer:
     def __init__(self, cache: "PagedCache", j: int):
         self.cache, self.j = cache, j

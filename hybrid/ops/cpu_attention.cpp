@@ -1,0 +1,189 @@
+// Decode attention on the CPU: one query per sequence over all of its keys, read where they lie (hybrid/layers/
+// attention.py `decode_attention` is the specification). For sequence s and KV head h, with the G = nq / nkv
+// query heads of h:
+//   scores[g, t] = (q[s, h G + g] . k_t) * scale        over the sequence's key rows t = 0 .. L_s - 1
+//   out[s, h G + g] = sum_t softmax_t(scores[g]) v_t     (fp32 throughout; bf16 keys and values widened;
+//                                                         exp by a polynomial, within fp32's rounding)
+// Two ways to name the rows:
+//   decode_attention(q [S, nq, hd], k / v [S, nkv, L, hd] any strides, last dimension contiguous)
+//   paged_decode_attention(q [S, nq, hd], k / v pools [R, nkv, hd] contiguous, rows: S int64 tensors of
+//                          pool rows, L_s each)  -- a paged KV cache's blocks, never gathered into a copy
+// Both run the same loop (one parallel loop over the S x nkv heads), so a sequence gets the same bits either
+// way. Returns out [S, nq, hd] fp32. Built on first use by hybrid/ops/cpu.py; the PyTorch path stays the
+// reference.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 16;  // partial sums / maxima per lane, so the compiler vectorises the reductions
+constexpr int64_t TILE = 64;   // keys per tile: widened and laid out dimension-major, so the dot products of
+                               // a query with a tile's keys vectorise over the keys (no horizontal sums)
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (scores minus their maximum), branch-free so that the loops calling it vectorise:
+// x = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor polynomial to r^7 (relative error < 2e-8, below fp32's
+// rounding), times 2^n built in the exponent bits. Below -87 (2^-126) the result is flushed to 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = x > -87.0f ? x : -87.0f;  // (ternaries and nearbyint: forms GCC vectorises)
+  const float n = std::nearbyint(clamped * 1.44269504088896341f);
+  const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+#if defined(__has_builtin) && __has_builtin(__builtin_bit_cast)
+  const float scale = __builtin_bit_cast(float, bits);  // (GCC 11+, clang: vectorises; memcpy does not)
+#else
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+#endif
+  return x < -87.0f ? 0.f : p * scale;
+}
+
+// One (sequence, KV head): G query rows q [G, hd] fp32 over L key / value rows given by row(t) -> offset;
+// out [G, hd] fp32 (contiguous).
+template <typename T, typename Row>
+void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64_t L, Row row, float scale,
+            float* out) {
+  std::vector<float> scores(G * L);
+  std::vector<float> tile(hd * TILE);  // tile[d * TILE + t]: dimension d of the tile's key t
+  std::vector<float> vf(hd);
+  for (int64_t t0 = 0; t0 < L; t0 += TILE) {
+    const int64_t n = std::min(TILE, L - t0);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* kr = k + row(t0 + t);
+      for (int64_t d = 0; d < hd; ++d) tile[d * TILE + t] = widen(kr[d]);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * hd;
+      float acc[TILE] = {0.f};  // past n: stale keys of the last tile, never read
+      for (int64_t d = 0; d < hd; ++d) {
+        const float qd = qg[d];
+        const float* kd = tile.data() + d * TILE;
+        for (int64_t t = 0; t < TILE; ++t) acc[t] += qd * kd[t];
+      }
+      float* sg = scores.data() + g * L + t0;
+      for (int64_t t = 0; t < n; ++t) sg[t] = acc[t] * scale;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * L;
+    float part[LANES];
+    for (int64_t j = 0; j < LANES; ++j) part[j] = -std::numeric_limits<float>::infinity();
+    int64_t t = 0;
+    for (; t + LANES <= L; t += LANES)
+      for (int64_t j = 0; j < LANES; ++j) part[j] = sg[t + j] > part[j] ? sg[t + j] : part[j];
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < LANES; ++j) m = std::max(m, part[j]);
+    for (; t < L; ++t) m = std::max(m, sg[t]);
+    for (t = 0; t < L; ++t) sg[t] = exp_nonpositive(sg[t] - m);
+    for (int64_t j = 0; j < LANES; ++j) part[j] = 0.f;
+    for (t = 0; t + LANES <= L; t += LANES)
+      for (int64_t j = 0; j < LANES; ++j) part[j] += sg[t + j];
+    float sum = 0.f;
+    for (int64_t j = 0; j < LANES; ++j) sum += part[j];
+    for (; t < L; ++t) sum += sg[t];
+    const float inv = 1.f / sum;
+    for (t = 0; t < L; ++t) sg[t] *= inv;
+    float* og = out + g * hd;
+    for (int64_t d = 0; d < hd; ++d) og[d] = 0.f;
+  }
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vr = v + row(t);
+    for (int64_t d = 0; d < hd; ++d) vf[d] = widen(vr[d]);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * L + t];
+      float* og = out + g * hd;
+      for (int64_t d = 0; d < hd; ++d) og[d] += p * vf[d];
+    }
+  }
+}
+
+torch::Tensor queries(const torch::Tensor& q) {
+  TORCH_CHECK(q.dim() == 3, "q must be [S, nq, hd]");
+  return q.to(torch::kFloat32).contiguous();
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(), "k, v [S, nkv, L, hd]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(), "k, v: the same strides, hd contiguous");
+  const torch::Tensor qf = queries(q);
+  const int64_t S = q.size(0), nq = q.size(1), hd = q.size(2), nkv = k.size(1), L = k.size(2);
+  TORCH_CHECK(k.size(0) == S && k.size(3) == hd && nq % nkv == 0, "q and k disagree");
+  auto out = torch::empty({S, nq, hd}, q.options().dtype(torch::kFloat32));
+  const int64_t G = nq / nkv, ss = k.stride(0), sh = k.stride(1), st = k.stride(2);
+  auto run = [&](auto* kp, auto* vp) {
+    at::parallel_for(0, S * nkv, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = i / nkv, h = i % nkv, base = s * ss + h * sh;
+        attend(qf.data_ptr<float>() + (s * nq + h * G) * hd, G, hd, kp, vp, L,
+               [&](int64_t t) { return base + t * st; }, static_cast<float>(scale),
+               out.data_ptr<float>() + (s * nq + h * G) * hd);
+      }
+    });
+  };
+  if (k.scalar_type() == torch::kFloat32) run(k.data_ptr<float>(), v.data_ptr<float>());
+  else {
+    TORCH_CHECK(k.scalar_type() == torch::kBFloat16, "fp32 or bf16 keys and values");
+    run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                                     std::vector<torch::Tensor> rows, double scale) {
+  TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous()
+              && k_pool.scalar_type() == v_pool.scalar_type(), "k, v pools [R, nkv, hd], contiguous");
+  const torch::Tensor qf = queries(q);
+  const int64_t S = q.size(0), nq = q.size(1), hd = q.size(2), nkv = k_pool.size(1), R = k_pool.size(0);
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == S && k_pool.size(2) == hd && nq % nkv == 0, "q and the pools disagree");
+  std::vector<torch::Tensor> idx(S);
+  for (int64_t s = 0; s < S; ++s) {
+    idx[s] = rows[s].to(torch::kInt64).contiguous();
+    TORCH_CHECK(idx[s].dim() == 1 && idx[s].numel() > 0, "each sequence has at least one row");
+    const int64_t lo = idx[s].min().item<int64_t>(), hi = idx[s].max().item<int64_t>();
+    TORCH_CHECK(lo >= 0 && hi < R, "a row outside the pool");
+  }
+  auto out = torch::empty({S, nq, hd}, q.options().dtype(torch::kFloat32));
+  const int64_t G = nq / nkv;
+  auto run = [&](auto* kp, auto* vp) {
+    at::parallel_for(0, S * nkv, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t s = i / nkv, h = i % nkv;
+        const int64_t* r = idx[s].data_ptr<int64_t>();
+        attend(qf.data_ptr<float>() + (s * nq + h * G) * hd, G, hd, kp, vp, idx[s].numel(),
+               [&](int64_t t) { return (r[t] * nkv + h) * hd; }, static_cast<float>(scale),
+               out.data_ptr<float>() + (s * nq + h * G) * hd);
+      }
+    });
+  };
+  if (k_pool.scalar_type() == torch::kFloat32) run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+  else {
+    TORCH_CHECK(k_pool.scalar_type() == torch::kBFloat16, "fp32 or bf16 keys and values");
+    run(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "q [S, nq, hd] over k / v [S, nkv, L, hd] -> [S, nq, hd] fp32");
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "q [S, nq, hd] over the pool rows of each sequence -> [S, nq, hd] fp32");
+}
