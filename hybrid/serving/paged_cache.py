@@ -5,7 +5,9 @@ table, state slot, positions already computed and new tokens); the model's forwa
 `sum(new tokens)` tokens with `StepContext.packed` set, and its layers reach each sequence's state through
 `Cache.layer(i).seq(s)`:
 - attention: `update(k, v, start)` writes the sequence's new keys and values into its blocks and returns
-  all of its keys and values [1, nkv, start + T, hd] (gathered from its block table);
+  all of its keys and values [1, nkv, start + T, hd] (gathered from its block table); the layer's
+  `attend_decode` stores one new token of each of several sequences and attends them over their rows in
+  place (the CPU kernel's paged entry, no gathered copy);
 - Mamba: a batch-1 `MambaState` of views of the sequence's slot, updated in place; `rows(seqs)` gives the
   pools and the slots of several sequences, whose decode tokens then run in one step.
 """
@@ -58,7 +60,6 @@ class _KVLayer:
         blocks = self.cache.blocks
         flat = (-1, blocks.k[self.j].shape[2], blocks.k[self.j].shape[3])
         return _SeqKV(blocks.k[self.j].view(flat), blocks.v[self.j].view(flat), self.cache.position_index(s))
-
 
     def attend_decode(self, seqs: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ext) -> torch.Tensor:
         """One new token of each sequence `seqs` (each scheduled with one token): store its key and value
