@@ -166,16 +166,22 @@ def test_fp8_blocks_narrower_than_a_bf16_chunk():
         assert_exact(cpu.linear(x, q), x, q.dequantize(torch.float64))
 
 
+def random_bank(E: int, H: int, I: int, g: torch.Generator, std: float) -> ExpertBank:
+    """An fp32 `ExpertBank` of E experts (hidden H, width I) with normal weights of this std drawn from g."""
+    bank = ExpertBank(E, H, I)
+    with torch.no_grad():
+        bank.up_proj.copy_(torch.randn(E, I, H, generator=g) * std)
+        bank.down_proj.copy_(torch.randn(E, H, I, generator=g) * std)
+    return bank
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_a_bank_runs_many_tokens_chosen_experts_in_one_call_per_projection(name, monkeypatch):
     """16 tokens (a decode step of 16 sequences) over 6 packed experts: one `cpu.linear_group` call per
     projection for all the chosen experts, exactly the result of one call per expert (`_matmul`)."""
     E, I, H = 6, 96, 128
     g = torch.Generator().manual_seed(4)
-    bank = ExpertBank(E, H, I)
-    with torch.no_grad():
-        bank.up_proj.copy_(torch.randn(E, I, H, generator=g) * 0.1)
-        bank.down_proj.copy_(torch.randn(E, H, I, generator=g) * 0.1)
+    bank = random_bank(E, H, I, g, 0.1)
     qbank = QuantExpertBank.from_bank(bank, FORMATS[name], FORMATS[name], torch.ones(E), torch.ones(E))
     x = torch.randn(16, H, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(16)])
@@ -198,10 +204,7 @@ def test_the_modules_use_the_kernels_and_never_dequantize(monkeypatch):
     the same result as the PyTorch path that dequantizes."""
     E, I, H = 4, 1856, 2688
     g = torch.Generator().manual_seed(0)
-    bank = ExpertBank(E, H, I)
-    with torch.no_grad():
-        bank.up_proj.copy_(torch.randn(E, I, H, generator=g) * 0.02)
-        bank.down_proj.copy_(torch.randn(E, H, I, generator=g) * 0.02)
+    bank = random_bank(E, H, I, g, 0.02)
     fmt = modelopt_format("NVFP4")
     qbank = QuantExpertBank.from_bank(bank, fmt, fmt, torch.ones(E), torch.ones(E))
     qlin = quantized(modelopt_format("FP8"), I, H, seed=2)

@@ -114,25 +114,20 @@ void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64
   }
 }
 
-torch::Tensor queries(const torch::Tensor& q) {
-  TORCH_CHECK(q.dim() == 3, "q must be [S, nq, hd]");
-  return q.to(torch::kFloat32).contiguous();
-}
-
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
-  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(), "k, v [S, nkv, L, hd]");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(), "k, v: the same strides, hd contiguous");
-  const torch::Tensor qf = queries(q);
-  const int64_t S = q.size(0), nq = q.size(1), hd = q.size(2), nkv = k.size(1), L = k.size(2);
-  TORCH_CHECK(k.size(0) == S && k.size(3) == hd && nq % nkv == 0, "q and k disagree");
+// Every (sequence s, KV head h) of q [S, nq, hd] in one parallel loop over keys and values k / v (fp32 or
+// bf16 data, flat): sequence s has length(s) rows, row t of head h at element offset(s, h, t).
+template <typename Length, typename Offset>
+torch::Tensor attend_all(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t nkv,
+                         double scale, Length length, Offset offset) {
+  const torch::Tensor qf = q.to(torch::kFloat32).contiguous();
+  const int64_t S = q.size(0), nq = q.size(1), hd = q.size(2), G = nq / nkv;
   auto out = torch::empty({S, nq, hd}, q.options().dtype(torch::kFloat32));
-  const int64_t G = nq / nkv, ss = k.stride(0), sh = k.stride(1), st = k.stride(2);
   auto run = [&](auto* kp, auto* vp) {
     at::parallel_for(0, S * nkv, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = i / nkv, h = i % nkv, base = s * ss + h * sh;
-        attend(qf.data_ptr<float>() + (s * nq + h * G) * hd, G, hd, kp, vp, L,
-               [&](int64_t t) { return base + t * st; }, static_cast<float>(scale),
+        const int64_t s = i / nkv, h = i % nkv;
+        attend(qf.data_ptr<float>() + (s * nq + h * G) * hd, G, hd, kp, vp, length(s),
+               [&](int64_t t) { return offset(s, h, t); }, static_cast<float>(scale),
                out.data_ptr<float>() + (s * nq + h * G) * hd);
       }
     });
@@ -145,39 +140,35 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return out;
 }
 
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [S, nq, hd]");
+  TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(), "k, v [S, nkv, L, hd]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(), "k, v: the same strides, hd contiguous");
+  const int64_t nkv = k.size(1), L = k.size(2), ss = k.stride(0), sh = k.stride(1), st = k.stride(2);
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(2) && q.size(1) % nkv == 0, "q and k disagree");
+  return attend_all(q, k, v, nkv, scale, [&](int64_t) { return L; },
+                    [&](int64_t s, int64_t h, int64_t t) { return s * ss + h * sh + t * st; });
+}
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                                      std::vector<torch::Tensor> rows, double scale) {
+  TORCH_CHECK(q.dim() == 3, "q must be [S, nq, hd]");
   TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous()
               && k_pool.scalar_type() == v_pool.scalar_type(), "k, v pools [R, nkv, hd], contiguous");
-  const torch::Tensor qf = queries(q);
-  const int64_t S = q.size(0), nq = q.size(1), hd = q.size(2), nkv = k_pool.size(1), R = k_pool.size(0);
-  TORCH_CHECK(static_cast<int64_t>(rows.size()) == S && k_pool.size(2) == hd && nq % nkv == 0, "q and the pools disagree");
+  const int64_t S = q.size(0), hd = q.size(2), nkv = k_pool.size(1), R = k_pool.size(0);
+  TORCH_CHECK(static_cast<int64_t>(rows.size()) == S && k_pool.size(2) == hd && q.size(1) % nkv == 0,
+              "q and the pools disagree");
   std::vector<torch::Tensor> idx(S);
+  std::vector<const int64_t*> row(S);
   for (int64_t s = 0; s < S; ++s) {
     idx[s] = rows[s].to(torch::kInt64).contiguous();
     TORCH_CHECK(idx[s].dim() == 1 && idx[s].numel() > 0, "each sequence has at least one row");
     const int64_t lo = idx[s].min().item<int64_t>(), hi = idx[s].max().item<int64_t>();
     TORCH_CHECK(lo >= 0 && hi < R, "a row outside the pool");
+    row[s] = idx[s].data_ptr<int64_t>();
   }
-  auto out = torch::empty({S, nq, hd}, q.options().dtype(torch::kFloat32));
-  const int64_t G = nq / nkv;
-  auto run = [&](auto* kp, auto* vp) {
-    at::parallel_for(0, S * nkv, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = i / nkv, h = i % nkv;
-        const int64_t* r = idx[s].data_ptr<int64_t>();
-        attend(qf.data_ptr<float>() + (s * nq + h * G) * hd, G, hd, kp, vp, idx[s].numel(),
-               [&](int64_t t) { return (r[t] * nkv + h) * hd; }, static_cast<float>(scale),
-               out.data_ptr<float>() + (s * nq + h * G) * hd);
-      }
-    });
-  };
-  if (k_pool.scalar_type() == torch::kFloat32) run(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
-  else {
-    TORCH_CHECK(k_pool.scalar_type() == torch::kBFloat16, "fp32 or bf16 keys and values");
-    run(k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
-  }
-  return out;
+  return attend_all(q, k_pool, v_pool, nkv, scale, [&](int64_t s) { return idx[s].numel(); },
+                    [&](int64_t s, int64_t h, int64_t t) { return (row[s][t] * nkv + h) * hd; });
 }
 
 }  // namespace

@@ -58,9 +58,9 @@ UNSUPPORTED = {"echo": (None, False), "best_of": (None, 1), "suffix": (None, "")
                "functions": (None, []), "function_call": (None, "none"), "audio": (None,), "modalities": (None, ["text"]),
                "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
 # fields that do not change the output (accepted and unused); any field in neither set is logged as ignored
-INERT = {"user", "metadata", "store", "service_tier", "stream_options", "request_id", "priority"}
+INERT = {"user", "metadata", "store", "service_tier", "request_id", "priority"}
 ACCEPTED = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-            "seed", "stop", "n", "stream", "logprobs", "top_logprobs", "chat_template_kwargs", "frequency_penalty",
+            "seed", "stop", "n", "stream", "stream_options", "logprobs", "top_logprobs", "chat_template_kwargs", "frequency_penalty",
             "presence_penalty", "repetition_penalty", "ignore_eos"}
 log = logging.getLogger("hybrid.serving")
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's and vLLM's limit)
