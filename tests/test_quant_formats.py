@@ -123,3 +123,45 @@ def test_mxfp4_scale_rules_and_nan_block():
     assert scales.tolist() == [[127, 255]]
     out = dequantize_mxfp4(packed, scales)
     assert torch.isnan(out[0, 32:]).all() and out[0, 0].item() == -6.0 and out[0, 31].item() == 6.0
+
+
+def test_by_row_slices_runs_slices_of_rows_and_concatenates(monkeypatch):
+    from moe.quant import codec
+
+    calls = []
+
+    def quantize(rows):
+        calls.append(rows.shape[-2])
+        return rows * 2, rows[..., :1]
+
+    w = torch.arange(3 * 10 * 4, dtype=torch.float32).reshape(3, 10, 4)
+    monkeypatch.setattr(codec, "SLICE_ELEMENTS", 3 * 4 * 4)  # 4 rows of the 3 matrices at a time
+    doubled, first = codec.by_row_slices(quantize, w)
+    assert calls == [4, 4, 2]
+    assert torch.equal(doubled, w * 2) and torch.equal(first, w[..., :1])
+
+
+@pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors", "mxfp4"])
+def test_quantizing_in_row_slices_gives_the_same_bytes_as_at_once(monkeypatch, convention):
+    """Large matrices are quantized a slice of rows at a time (bounded temporaries); the global scale comes
+    from the whole matrix, so every byte equals quantizing at once: a stack of experts, rows of magnitudes
+    1e-3 to 1e2, a NaN weight and an all-zero block."""
+    from moe.quant import codec
+
+    w = torch.randn(3, 37, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 37)[:, None]
+    w[1, 5, 3] = float("nan")
+    w[2, 7, :32] = 0
+
+    def run():
+        if convention == "mxfp4":
+            return quantize_mxfp4(w.bfloat16())
+        return quantize_nvfp4(w.bfloat16(), convention=convention)
+
+    at_once = run()
+    monkeypatch.setattr(codec, "SLICE_ELEMENTS", 3 * 64 * 5)  # 5 rows at a time: 8 slices
+    sliced = run()
+    assert len(sliced) == len(at_once)
+    bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731 (float8 NaN compares as bytes)
+    for a, b in zip(at_once, sliced):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(bits(a), bits(b))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.quant.codec import Codec
+from moe.quant.codec import Codec, by_row_slices
 from moe.quant.e2m1 import decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 from moe.quant.e8m0 import E8M0_BIAS, decode_e8m0, encode_e8m0
 
@@ -47,11 +47,14 @@ def quantize_mxfp4(w: torch.Tensor, scale_rule: str = "round", group: int = GROU
     """Weight [..., out, in] -> (packed uint8 [..., out, in/2], E8M0 scales uint8 [..., out, in/32])."""
     if w.shape[-1] % group:
         raise ValueError(f"the input dimension {w.shape[-1]} is not a multiple of the MX block size {group}")
-    x = w.detach().float().unflatten(-1, (-1, group))
-    scales = encode_e8m0(mxfp4_exponents(x.abs().amax(dim=-1), scale_rule))
-    step = decode_e8m0(scales)
-    codes = encode_e2m1((x / step[..., None]).flatten(-2))
-    return pack_nibbles(codes), scales
+
+    def blocks(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = rows.detach().float().unflatten(-1, (-1, group))
+        scales = encode_e8m0(mxfp4_exponents(x.abs().amax(dim=-1), scale_rule))
+        step = decode_e8m0(scales)
+        return pack_nibbles(encode_e2m1((x / step[..., None]).flatten(-2))), scales
+
+    return by_row_slices(blocks, w)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, group: int = GROUP) -> torch.Tensor:

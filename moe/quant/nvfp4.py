@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from moe.quant.codec import Codec, Layout
+from moe.quant.codec import Codec, Layout, by_row_slices
 from moe.quant.e2m1 import E2M1_MAX, decode_e2m1, encode_e2m1, pack_nibbles, unpack_nibbles
 from moe.quant.e4m3 import E4M3_MAX, E4M3_MIN_SUBNORMAL, decode_e4m3, encode_e4m3
 
@@ -65,27 +65,41 @@ def quantize_nvfp4(
     """
     if convention not in CONVENTIONS:
         raise ValueError(f"unknown NVFP4 convention {convention!r}; expected one of {CONVENTIONS}")
+    if global_scale is None:
+        global_scale = nvfp4_global_scale(w, convention)
+    _blocks(w, group)  # checks the input dimension (a view)
+    packed, scale = by_row_slices(lambda rows: _quantize_blocks(rows, global_scale, convention, group), w)
+    return packed, scale, global_scale.float()
+
+
+def nvfp4_global_scale(w: torch.Tensor, convention: str = "modelopt") -> torch.Tensor:
+    """The global scale of weight [..., out, in] (fp32 [...]): ModelOpt's multiplier `weight_scale_2`
+    amax / (6 * 448), or compressed-tensors' divisor 6 * 448 / amax (1.0 where that is not finite)."""
+    if convention == "modelopt":
+        return _tensor_amax(w) / (E2M1_MAX * E4M3_MAX)
+    amax = _tensor_amax(w).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.nan_to_num(E4M3_MAX * E2M1_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def _quantize_blocks(w: torch.Tensor, global_scale: torch.Tensor, convention: str, group: int):
+    """(packed codes, block scales) of rows `w` under the given global scale (each row on its own)."""
     x = _blocks(w.detach().float(), group)  # [..., out, in/g, g]
     block_amax = x.abs().amax(dim=-1)  # NaN propagates: a block holding NaN gets a NaN scale
     lead = (...,) + (None,) * 2
     if convention == "modelopt":
-        s2 = _tensor_amax(w) / (E2M1_MAX * E4M3_MAX) if global_scale is None else global_scale.float()
+        s2 = global_scale.float()
         s = block_amax / (E2M1_MAX * s2[lead])
         s = torch.where(s == 0, torch.ones_like(s), s)
         scale = s.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
         step = scale.float() * s2[lead]
-        g = s2
     else:
-        if global_scale is None:
-            amax = _tensor_amax(w).clamp(min=torch.finfo(torch.float32).tiny)
-            global_scale = torch.nan_to_num(E4M3_MAX * E2M1_MAX / amax, nan=1.0, posinf=1.0, neginf=1.0)
         g = global_scale.float()
         s = block_amax / E2M1_MAX * g[lead]
         scale = encode_e4m3(s)
         scale = torch.where(scale.float() == 0, torch.full_like(scale, 0.125), scale)
         step = scale.float() / g[lead]
     codes = encode_e2m1((x / step[..., None]).clamp(-E2M1_MAX, E2M1_MAX).flatten(-2))
-    return pack_nibbles(codes), scale, g
+    return pack_nibbles(codes), scale
 
 
 def dequantize_nvfp4(
