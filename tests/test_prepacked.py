@@ -270,6 +270,8 @@ def test_without_mmap_the_weights_are_the_process_own(checkpoint, tmp_path):
             w for m in model.modules() if isinstance(m, PrepackedExpertBank) for w in m.up + m.down]
 
     assert all(not t.untyped_storage().resizable() for t in stored(mapped))
+    assert not mapped.backbone.embeddings.weight.untyped_storage().resizable()  # the embeddings are mapped too
+    assert copied.backbone.embeddings.weight.untyped_storage().resizable()
     assert stored(copied) and all(t.untyped_storage().resizable()
                                   and t.untyped_storage().nbytes() == t.numel() * t.element_size()
                                   for t in stored(copied))

@@ -221,7 +221,8 @@ def _maps_of(path) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("fmt", ["fp8", "nvfp4", "mxfp4"])
 def test_a_cpu_load_maps_the_packed_experts(quantized, fmt):
     """The experts' packed tensors are views of the checkpoint's memory map (no copy), read as the file holds
-    them; without mmap they are copies; both give the stacked bank's logits and the same identity."""
+    them, and so are the embeddings and packed linears; without mmap they are copies; both give the stacked
+    bank's logits and the same identity."""
     model = hybrid.load_model(quantized[fmt], dtype="bf16")
     bank = model.backbone.layers[1].mixer.experts
     assert isinstance(bank.up_proj, PackedExperts) and isinstance(bank.down_proj, PackedExperts)
@@ -231,9 +232,14 @@ def test_a_cpu_load_maps_the_packed_experts(quantized, fmt):
             for name, t in bank.up_proj.experts[e].items():
                 assert _same_bytes(t, f.get_tensor(f"backbone.layers.1.mixer.experts.{e}.up_proj.{name}"))
                 assert any(lo <= t.data_ptr() < hi for lo, hi in maps), (e, name)
+    # so are the other tensors stored as the model holds them: the embeddings, the packed linears' bytes
+    kept = [model.backbone.embeddings.weight] + [t for _, t in model.named_buffers() if t.element_size() == 1]
+    assert len(kept) > 1 and all(any(lo <= t.data_ptr() < hi for lo, hi in maps) for t in kept)
+    assert not any(p.requires_grad for p in model.parameters())  # read-only memory: for inference
     copied = hybrid.load_model(quantized[fmt], dtype="bf16", mmap=False)
     t = copied.backbone.layers[1].mixer.experts.up_proj.experts[3]["weight"]
-    assert not any(lo <= t.data_ptr() < hi for lo, hi in maps)
+    kept = [copied.backbone.embeddings.weight] + [u for _, u in copied.named_buffers() if u.element_size() == 1]
+    assert not any(lo <= u.data_ptr() < hi for lo, hi in maps for u in [t] + kept)
     stacked = hybrid.load_model(quantized[fmt], dtype="bf16")
     for name, m in list(stacked.named_modules()):
         if isinstance(m, QuantExpertBank):  # the same experts, as [E, ...] stacks
