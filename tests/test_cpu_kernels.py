@@ -323,6 +323,28 @@ def test_every_e4m3_code_in_every_position_decodes_exactly(rows):
         assert torch.equal(y.double(), (x.double() @ W.T)), ext.path()
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+def test_an_e4m3_nan_code_anywhere_in_a_row_makes_that_row_nan(rows):
+    """A NaN byte (S.1111.111) in a 64-byte step, in a later one, in the 32-byte tail or in the masked end of
+    a row of 200 makes that row's outputs NaN (NaN times anything is NaN, as in the reference) and no other
+    row's, in every build."""
+    N, K = 11, 200
+    q = quantized(modelopt_format("FP8"), N, K, seed=3)
+    nan_at = {1: 5, 4: 70, 6: 130, 8: 180, 9: 199}  # row: position of its NaN byte
+    with torch.no_grad():
+        data = q.weight.view(torch.uint8)
+        for row, k in nan_at.items():
+            data[row, k] = 0x7F if row % 2 else 0xFF
+    W = q.dequantize(torch.float64)
+    assert set(torch.isnan(W).any(dim=1).nonzero().flatten().tolist()) == set(nan_at)
+    x = torch.randn(rows, K)
+    for ext in exts():
+        y = cpu.linear(x, q, ext=ext)
+        assert torch.equal(torch.isnan(y), torch.isnan(W).any(dim=1).expand(rows, N)), ext.path()
+        keep = ~torch.isnan(W).any(dim=1)
+        assert_exact(y[:, keep], x, W[keep])
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("rows", [1, 64])
 def test_every_e2m1_code_in_every_position_decodes_exactly(name, rows):
