@@ -139,6 +139,9 @@ def test_by_row_slices_runs_slices_of_rows_and_concatenates(monkeypatch):
     doubled, first = codec.by_row_slices(quantize, w)
     assert calls == [4, 4, 2]
     assert torch.equal(doubled, w * 2) and torch.equal(first, w[..., :1])
+    doubled, first = codec.by_row_slices(quantize, w[:, :0])  # no rows: one call, empty outputs
+    assert calls[3:] == [0] and doubled.shape == (3, 0, 4) and first.shape == (3, 0, 1)
+    assert quantize_mxfp4(torch.zeros(0, 64))[0].shape == (0, 32)
 
 
 @pytest.mark.parametrize("convention", ["modelopt", "compressed-tensors", "mxfp4"])

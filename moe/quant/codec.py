@@ -38,10 +38,9 @@ def by_row_slices(quantize, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     own input row alone (a block-scaled format, with any tensor-wide number computed beforehand), while the
     temporaries stay those of one slice: quantizing a 10,304 x 2,688 matrix to NVFP4 at once took 489 MB
     beyond its 53 MB of bf16. `quantize`: w [..., rows, in] -> a tuple of [..., rows, *] tensors."""
-    if w.dim() < 2 or w[..., 0, :].numel() == 0:
-        return quantize(w)
-    rows = max(1, SLICE_ELEMENTS // w[..., 0, :].numel())
-    if w.shape[-2] <= rows:
+    row = math.prod(w.shape[:-2]) * w.shape[-1] if w.dim() >= 2 else 0  # weights per row index (all matrices)
+    rows = max(1, SLICE_ELEMENTS // row) if row else 0
+    if not rows or w.shape[-2] <= rows:
         return quantize(w)
     parts = [quantize(w[..., i:i + rows, :]) for i in range(0, w.shape[-2], rows)]
     return tuple(torch.cat(outs, dim=-2) for outs in zip(*parts))

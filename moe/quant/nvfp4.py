@@ -67,7 +67,6 @@ def quantize_nvfp4(
         raise ValueError(f"unknown NVFP4 convention {convention!r}; expected one of {CONVENTIONS}")
     if global_scale is None:
         global_scale = nvfp4_global_scale(w, convention)
-    _blocks(w, group)  # checks the input dimension (a view)
     packed, scale = by_row_slices(lambda rows: _quantize_blocks(rows, global_scale, convention, group), w)
     return packed, scale, global_scale.float()
 
@@ -86,14 +85,13 @@ def _quantize_blocks(w: torch.Tensor, global_scale: torch.Tensor, convention: st
     x = _blocks(w.detach().float(), group)  # [..., out, in/g, g]
     block_amax = x.abs().amax(dim=-1)  # NaN propagates: a block holding NaN gets a NaN scale
     lead = (...,) + (None,) * 2
-    if convention == "modelopt":
-        s2 = global_scale.float()
-        s = block_amax / (E2M1_MAX * s2[lead])
+    g = global_scale.float()
+    if convention == "modelopt":  # g multiplies
+        s = block_amax / (E2M1_MAX * g[lead])
         s = torch.where(s == 0, torch.ones_like(s), s)
         scale = s.clamp(E4M3_MIN_SUBNORMAL, E4M3_MAX).to(torch.float8_e4m3fn)
-        step = scale.float() * s2[lead]
-    else:
-        g = global_scale.float()
+        step = scale.float() * g[lead]
+    else:  # g divides
         s = block_amax / E2M1_MAX * g[lead]
         scale = encode_e4m3(s)
         scale = torch.where(scale.float() == 0, torch.full_like(scale, 0.125), scale)
