@@ -15,7 +15,7 @@ A weight is stored, once, in one of two forms (`pack`), and every product dispat
              one row and 1.2-5 at 4-16. Larger inputs run PyTorch's matmul, within 2-14% of oneDNN's
              prepacked GEMM at 128-512 rows; without AVX512_BF16 (AVX2, or AVX-512 alone), where PyTorch's
              bf16 GEMM is 4-6x slower than its fp32 one, fp32 GEMMs on 8 MB tiles of the weight widened to
-             fp32 (`_fp32_tiles`). Nothing is
+             fp32 (`_fp32_tiles`, one tile buffer per call). Nothing is
              copied: a weight read from a checkpoint stays a view of its read-only memory map (as llama.cpp
              maps its GGUF), so loading does not touch the bytes and the first forward reads them from the
              OS page cache; the model and the page cache share one copy. (The checkpoint files must then not
@@ -96,8 +96,11 @@ def _fp32_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
     step = max(1, PREFILL_TILE_BYTES // (4 * w.shape[1]))
+    tile = torch.empty(min(step, w.shape[0]), w.shape[1], dtype=torch.float32, device=x.device)
     for n0 in range(0, w.shape[0], step):
-        torch.mm(xf, w[n0:n0 + step].float().T, out=out[:, n0:n0 + step])
+        part = w[n0:n0 + step]
+        wide = tile[:part.shape[0]].copy_(part)
+        torch.mm(xf, wide.T, out=out[:, n0:n0 + step])
     return out
 
 
