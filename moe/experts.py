@@ -34,6 +34,11 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x).square()
 
 
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `ts` (one width) as one tensor: the only one itself, or their concatenation."""
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
 # ------------------------------------------------------------------------------------------ dispatch
 def _sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (order of the flattened pairs sorted by expert (stable), the token of each sorted pair,
@@ -178,9 +183,12 @@ class QuantExpertBank(nn.Module):
 
     def _group_cpu(self, chosen: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Experts `chosen` over their inputs `xs` on the CPU kernels: their up projections in one call of the
-        extension, then their down projections in another; the same operations as `_matmul` otherwise."""
-        h = [relu2(t.to(x.dtype)) for x, t in zip(xs, cpu.linear_group(xs, self.up_proj, chosen))]
-        return [t.to(x.dtype) for x, t in zip(xs, cpu.linear_group(h, self.down_proj, chosen))]
+        extension, then their down projections in another; the same operations as `_matmul` otherwise, each
+        elementwise step done once over all the experts' rows (a decode step's fixed cost is its call count)."""
+        sizes, dtype = [x.shape[0] for x in xs], xs[0].dtype
+        h = relu2(_cat(cpu.linear_group(xs, self.up_proj, chosen)).to(dtype))
+        y = _cat(cpu.linear_group(list(cpu.kernel_input(h).split(sizes)), self.down_proj, chosen)).to(dtype)
+        return list(y.split(sizes))
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The forward with both projections of all chosen experts in two grouped Triton launches (weights
@@ -247,8 +255,8 @@ class PrepackedExpertBank(Prepacked):
     def _group(self, chosen: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Experts `chosen` over their inputs `xs`: their up projections in one kernel call, then the downs
         (`bf16.linear_group`: one call while every input has at most `DECODE_ROWS` rows, else one each)."""
-        h = bf16.linear_group(xs, [self.up[e] for e in chosen], relu=True)
-        return bf16.linear_group([t.square() for t in h], [self.down[e] for e in chosen])
+        h = _cat(bf16.linear_group(xs, [self.up[e] for e in chosen], relu=True)).square()
+        return bf16.linear_group(list(h.split([x.shape[0] for x in xs])), [self.down[e] for e in chosen])
 
     def dense_pieces(self):
         """(name, [E, out, in], its E experts' dense weights one at a time), for `up_proj` and `down_proj`."""

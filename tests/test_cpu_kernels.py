@@ -117,6 +117,27 @@ def test_a_group_of_packed_products_in_one_call(name):
         assert_exact(y, x, W)
 
 
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_a_group_whose_experts_share_one_input(name):
+    """The k experts a decoded token chose share one x, which the extension lays out once for all of them:
+    in a group whose inputs repeat one tensor among others, each product equals its own exact product with
+    its own expert of a stack."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(11)
+    stack = PackedWeight(fmt, 96, 2688, n_experts=3)
+    for key, t in fmt.quantize(torch.randn(3, 96, 2688, generator=g) * 0.02, torch.full((3,), 3.0)).items():
+        getattr(stack, key).copy_(t)
+    x, other = torch.randn(1, 2688, generator=g).bfloat16(), torch.randn(2, 2688, generator=g).bfloat16()
+    experts = [2, 0, 0, 1]
+    ys = cpu.linear_group([x, other, x, x], stack, experts)
+    for e, inp, y in zip(experts, [x, other, x, x], ys):
+        assert_exact(y, inp, stack.dequantize(torch.float64, expert=e))
+    if cpu.module().bf16_weights():
+        ws = [stack.dequantize(torch.float32, expert=e).bfloat16() for e in range(3)]
+        for inp, w, y in zip([x, other, x], ws, cpu.module().bf16_linear_group([x, other, x], ws)):
+            assert_exact(y, inp, w.double())
+
+
 def test_fp8_inputs_not_a_multiple_of_16():
     q = quantized(modelopt_format("FP8"), 9, 100, seed=1)
     x = torch.randn(2, 100)

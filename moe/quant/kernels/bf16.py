@@ -84,8 +84,17 @@ def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool =
     ext = plain_kernel()
     if ext is None or any(p.is_mkldnn for p in packs) or any(x.numel() > DECODE_ROWS * x.shape[-1] for x in xs):
         return [linear(x, p, relu=relu) for x, p in zip(xs, packs)]
-    ys = ext.bf16_linear_group([_rows(x) for x in xs], list(packs))
-    return [_from_kernel(x, y, None, relu) for x, y in zip(xs, ys)]
+    rows = {}  # one view per distinct input, so the extension widens a shared x once
+    for x in xs:
+        if id(x) not in rows:
+            rows[id(x)] = _rows(x)
+    ys = ext.bf16_linear_group([rows[id(x)] for x in xs], list(packs))
+    if len(xs) == 1 or len({y.shape[-1] for y in ys}) != 1:
+        return [_from_kernel(x, y, None, relu) for x, y in zip(xs, ys)]
+    # one width (a decoded token's experts): the ReLU and the conversion once over all the rows
+    y = torch.cat(ys)
+    out = (y.relu_() if relu else y).to(torch.bfloat16).split([t.shape[0] for t in ys])
+    return [o if o.dim() == x.dim() else o.view(*x.shape[:-1], o.shape[-1]) for x, o in zip(xs, out)]
 
 
 def _fp32_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

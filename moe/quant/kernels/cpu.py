@@ -107,23 +107,22 @@ def _build_lock(directory: Path):
 
 
 def _fp8(ext, xs, ts, fmt):
-    granularity = GRANULARITY[fmt.layout.granularity]
-    scales = [t["scale"].float().contiguous() for t in ts]
-    scales = [s.reshape(-1) if granularity < 2 else s.reshape(s.shape[-2], s.shape[-1]) for s in scales]
-    return ext.fp8_linear_group(xs, [t["data"] for t in ts], scales, granularity, fmt.layout.block)
+    scales = [_float32(t["scale"]) for t in ts]  # any shape holding the layout's values in row-major order
+    return ext.fp8_linear_group(xs, [t["data"] for t in ts], scales, GRANULARITY[fmt.layout.granularity],
+                                fmt.layout.block)
 
 
-def _nvfp4(ext, xs, ts, fmt):
-    g = [float(t["global"].float().reshape(())) for t in ts]
-    mults = [1.0 / v if fmt.layout.divisor else v for v in g]  # compressed-tensors' global divides, ModelOpt's multiplies
-    return ext.fp4_linear_group(xs, [t["data"] for t in ts], [t["scale"].contiguous().view(torch.uint8) for t in ts],
-                                fmt.codec.group, False, mults)
+def _nvfp4(ext, xs, ts, fmt):  # compressed-tensors' global divides, ModelOpt's multiplies (`divisor`)
+    return ext.fp4_linear_group(xs, [t["data"] for t in ts], [t["scale"] for t in ts], fmt.codec.group, False,
+                                [_float32(t["global"]) for t in ts], fmt.layout.divisor)
 
 
 def _mxfp4(ext, xs, ts, fmt):
-    return ext.fp4_linear_group(xs, [t["data"].reshape(t["data"].shape[0], -1) for t in ts],
-                                [t["scale"].contiguous().view(torch.uint8) for t in ts], fmt.codec.group, True,
-                                [1.0] * len(ts))
+    return ext.fp4_linear_group(xs, [t["data"] for t in ts], [t["scale"] for t in ts], fmt.codec.group, True, [], False)
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 KERNELS = {"fp8": _fp8, "nvfp4": _nvfp4, "mxfp4": _mxfp4}  # codec name -> the call into the extension
@@ -143,12 +142,17 @@ def linear(x: torch.Tensor, weight, expert: int | None = None, ext=None) -> torc
 def linear_group(xs: list[torch.Tensor], weight, experts: list[int | None], ext=None) -> list[torch.Tensor]:
     """`[linear(x, weight, e) for x, e in zip(xs, experts)]` in one call of the extension: one parallel loop
     over the tiles of every product (the k experts a decoded token chose: one fork of the threads, not k)."""
-    fmt = weight.fmt
     ext = ext or module()
-    ts = []
-    for e in experts:
-        t = weight.expert(e)
-        t["data"] = t["data"].contiguous().view(torch.uint8)
-        ts.append(t)
-    xs = [x.contiguous() if x.dtype == torch.bfloat16 and ext.bf16_inputs() else x.float().contiguous() for x in xs]
-    return KERNELS[fmt.codec.name](ext, xs, ts, fmt)
+    ts = [weight.expert(e) for e in experts]  # the packed tensors as stored (the extension reads their bytes)
+    ready = {}  # one conversion per distinct input (a decoded token's k experts share one x)
+    for x in xs:
+        if id(x) not in ready:
+            ready[id(x)] = kernel_input(x, ext)
+    return KERNELS[weight.fmt.codec.name](ext, [ready[id(x)] for x in xs], ts, weight.fmt)
+
+
+def kernel_input(x: torch.Tensor, ext=None) -> torch.Tensor:
+    """x as the extension takes it: contiguous bf16 where it has bf16 dot products (`bf16_inputs()`), else
+    contiguous fp32 (x itself when already so)."""
+    ext = ext or module()
+    return x.contiguous() if x.dtype == torch.bfloat16 and ext.bf16_inputs() else x.float().contiguous()

@@ -106,12 +106,53 @@ struct Tables {
 };
 const Tables kTables;
 
-void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k_per_row) {
+void check_x(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kFloat ||
               (x.scalar_type() == torch::kBFloat16 && bf16_inputs())), "x must be [R, K] float32 (or bfloat16 "
               "where AVX512_BF16 and AVX512_VBMI were compiled)");
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "packed data must be uint8 [N, *]");
-  TORCH_CHECK(w.size(1) == k_per_row, "packed data has ", w.size(1), " bytes per row, expected ", k_per_row);
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k_per_row) {
+  check_x(x);
+  TORCH_CHECK(w.dim() >= 2 && w.element_size() == 1 && w.is_contiguous(),
+              "packed data must be contiguous bytes [N, ...] (uint8, or a 1-byte float type)");
+  TORCH_CHECK(w.numel() == w.size(0) * k_per_row, "packed data has ", w.numel() / std::max<int64_t>(w.size(0), 1),
+              " bytes per row, expected ", k_per_row);
+}
+
+// The bytes of a packed tensor of any 1-byte dtype (uint8 codes, float8 E4M3 / E8M0 scales), as `check` took it
+inline const uint8_t* bytes_of(const torch::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
+
+// out[r, c + p] = x[r, c + element(p)] for each chunk start c, zero past K: x [R, K] (T = float or bf16 bits)
+// laid out as a kernel reads it
+template <typename T, typename Element>
+torch::Tensor reorder(const torch::Tensor& x, int64_t chunk, Element element) {
+  const int64_t R = x.size(0), K = x.size(1), Kp = (K + chunk - 1) / chunk * chunk;
+  auto out = torch::empty({R, Kp}, x.options());
+  const T* in = static_cast<const T*>(x.data_ptr());
+  T* o = static_cast<T*>(out.data_ptr());
+  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {  // forks only past 16 rows (a prompt)
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t c = 0; c < Kp; c += chunk)
+        for (int64_t p = 0; p < chunk; ++p) {
+          const int64_t e = c + element(p);
+          o[r * Kp + c + p] = e < K ? in[r * K + e] : T{};
+        }
+  });
+  return out;
+}
+
+// prepare(x) (which checks x) for each input of a group, once per distinct tensor: the k experts a decoded
+// token chose share one x (one layout, one conversion, not k)
+template <typename Prepare>
+std::vector<torch::Tensor> once_per_input(const std::vector<torch::Tensor>& xs, Prepare prepare) {
+  std::vector<torch::Tensor> out;
+  for (size_t g = 0; g < xs.size(); ++g) {
+    size_t same = 0;
+    while (same < g && !xs[same].is_same(xs[g])) ++same;
+    out.push_back(same < g ? out[same] : prepare(xs[g]));
+  }
+  return out;
 }
 
 #if defined(__AVX512F__)
@@ -236,24 +277,6 @@ struct Bf16Tables {
   }
 };
 const Bf16Tables kBf16;
-
-// out[r, c + p] = x[r, c + element(p)] for each chunk start c; bf16 rows, zero past K
-template <typename Element>
-torch::Tensor reorder(const torch::Tensor& x, int64_t chunk, Element element) {
-  const int64_t R = x.size(0), K = x.size(1), Kp = (K + chunk - 1) / chunk * chunk;
-  auto out = torch::empty({R, Kp}, x.options());
-  const uint16_t* in = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r)
-      for (int64_t c = 0; c < Kp; c += chunk)
-        for (int64_t p = 0; p < chunk; ++p) {
-          const int64_t e = c + element(p);
-          o[r * Kp + c + p] = e < K ? in[r * K + e] : 0;
-        }
-  });
-  return out;
-}
 
 // FP8: 64 E4M3 bytes -> two vectors of 32 bf16. The high byte of each bf16 comes from a 128-entry table on
 // the byte's magnitude (its low 7 bits) with the byte's sign bit or-ed in, the low byte from another; the
@@ -597,15 +620,20 @@ struct Bf16Product {
   torch::Tensor x, w, y;
   int64_t R, K, N, tiles;
   int nt;
+  // x = input(bf16 x) (shared by the products of a group that share x)
   Bf16Product(const torch::Tensor& x_, const torch::Tensor& w_) : x(x_), w(w_) {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be [R, K] bfloat16");
     R = x.size(0), K = x.size(1), N = w.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
     TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(1) == K,
                 "w must be contiguous bfloat16 [N, ", K, "]");
-#if !defined(HYBRID_BF16_DOT)
-    x = x.to(torch::kFloat);
-#endif
     y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+  }
+  static torch::Tensor input(const torch::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be [R, K] bfloat16");
+#if defined(HYBRID_BF16_DOT)
+    return x;
+#else
+    return x.to(torch::kFloat);
+#endif
   }
   void tile(int64_t t) const {
 #if defined(HYBRID_BF16_DOT)
@@ -641,8 +669,9 @@ struct Bf16Product {
 // [xs[g] @ ws[g].T for each g] (each pair its own shapes) in one parallel loop
 std::vector<torch::Tensor> bf16_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& ws) {
   TORCH_CHECK(xs.size() == ws.size(), "as many inputs as weights");
+  const auto inputs = once_per_input(xs, &Bf16Product::input);
   std::vector<Bf16Product> jobs;
-  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], ws[g]);
+  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(inputs[g], ws[g]);
   return parallel_tiles(jobs);
 }
 
@@ -736,29 +765,34 @@ struct Fp8Product {
   int64_t R, K, N, tiles, granularity, block, span, block_cols;
   int nt;
   bool bf16;
-  Fp8Product(torch::Tensor x, const torch::Tensor& q_, const torch::Tensor& scale_, int64_t granularity_,
-             int64_t block_)
-      : q(q_), scale(scale_), granularity(granularity_), block(block_) {
+  // x [R, K] as given (checked), xs = input(x) (shared by the products of a group that share x)
+  Fp8Product(const torch::Tensor& x, const torch::Tensor& xs_, const torch::Tensor& q_, const torch::Tensor& scale_,
+             int64_t granularity_, int64_t block_)
+      : xs(xs_), q(q_), scale(scale_), granularity(granularity_), block(block_) {
     R = x.size(0), K = x.size(1), N = q.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
     check(x, q, K);
-    TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous(), "scale must be contiguous float32");
     span = granularity == 2 ? block : K, block_cols = (K + block - 1) / block;
-    bf16 = x.scalar_type() == torch::kBFloat16;
-    if (bf16 && granularity == 2 && block % 64) {  // blocks that cut a bf16 chunk: fp32 products
-      x = x.to(torch::kFloat);
-      bf16 = false;
-    }
-#if defined(HYBRID_BF16_DOT)
-    xs = bf16 ? reorder(x, kFp8Chunk, fp8_element) : x;
-#else
-    xs = x;
-#endif
+    const int64_t scales = granularity == 0 ? 1 : granularity == 1 ? N : (N + block - 1) / block * block_cols;
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == scales,
+                "scale must be contiguous float32 with ", scales, " values, got ", scale.numel());
+    bf16 = xs.scalar_type() == torch::kBFloat16;
     y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+  }
+  // x as the tiles read it: fp32 as it is, bf16 in FP8 chunk order (in fp32 where blocks cut a bf16 chunk)
+  static torch::Tensor input(const torch::Tensor& x, int64_t granularity, int64_t block) {
+    check_x(x);
+    if (x.scalar_type() != torch::kBFloat16) return x;
+    if (granularity == 2 && block % 64) return x.to(torch::kFloat);  // blocks that cut a bf16 chunk: fp32 products
+#if defined(HYBRID_BF16_DOT)
+    return reorder<uint16_t>(x, kFp8Chunk, fp8_element);
+#else
+    return x;  // not reached: check_x refuses bf16 here
+#endif
   }
   void tile(int64_t t) const {
     const int64_t ldx = xs.size(1), esize = xs.element_size();
     const char* xp = static_cast<const char*>(xs.data_ptr());
-    const uint8_t* qp = q.data_ptr<uint8_t>();
+    const uint8_t* qp = bytes_of(q);
     const float* sp = scale.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     float part[kTileN][kTileR];
@@ -788,8 +822,9 @@ std::vector<torch::Tensor> fp8_linear_group(const std::vector<torch::Tensor>& xs
                                             const std::vector<torch::Tensor>& scales, int64_t granularity,
                                             int64_t block) {
   TORCH_CHECK(xs.size() == qs.size() && qs.size() == scales.size(), "as many inputs as weights and scales");
+  const auto inputs = once_per_input(xs, [&](const torch::Tensor& x) { return Fp8Product::input(x, granularity, block); });
   std::vector<Fp8Product> jobs;
-  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], qs[g], scales[g], granularity, block);
+  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], inputs[g], qs[g], scales[g], granularity, block);
   return parallel_tiles(jobs);
 }
 
@@ -803,10 +838,7 @@ torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& q, const t
 // fp32 x is first laid out per 128-element chunk as 8 vectors of 16: lane d of vector k holds element 8d + k,
 // the nibble k of the 32-bit word d of the chunk's 64 code bytes (K padded to a multiple of 128 with zeros)
 torch::Tensor fp4_fp32_layout(const torch::Tensor& x) {
-  const int64_t R = x.size(0), K = x.size(1), Kp = (K + 127) / 128 * 128;
-  auto padded = torch::zeros({R, Kp}, x.options());
-  padded.narrow(1, 0, K).copy_(x);
-  return padded.view({R, Kp / 128, 16, 8}).transpose(2, 3).contiguous().view({R, Kp});
+  return reorder<float>(x, 128, [](int64_t p) { return 8 * (p % 16) + p / 16; });
 }
 
 // A 128-element chunk's scales, lane d taking the scale of the block of elements 8d..8d+7: n <= 8 E4M3 bytes
@@ -828,10 +860,7 @@ inline __m512 fp4_chunk_scales(const uint8_t* p, int64_t n, bool e8m0_scales) {
 // fp32 x is first laid out per 32-element chunk as its 16 even elements then its 16 odd ones, the order in
 // which the low and high nibbles of 16 packed bytes come out (K padded to a multiple of 32 with zeros).
 torch::Tensor split_even_odd(const torch::Tensor& x) {
-  const int64_t R = x.size(0), K = x.size(1), Kp = (K + 31) / 32 * 32;
-  auto padded = torch::zeros({R, Kp}, x.options());
-  padded.narrow(1, 0, K).copy_(x);
-  return padded.view({R, Kp / 32, 16, 2}).transpose(2, 3).contiguous().view({R, Kp});
+  return reorder<float>(x, 32, [](int64_t p) { return 2 * (p % 16) + p / 16; });
 }
 #endif
 
@@ -919,30 +948,35 @@ struct Fp4Product {
   int nt;
   bool bf16, e8m0_scales;
   float mult;
-  Fp4Product(const torch::Tensor& x, const torch::Tensor& codes_, const torch::Tensor& scales_, int64_t group_,
-             bool e8m0_scales_, double mult_)
-      : codes(codes_), scales(scales_), group(group_), e8m0_scales(e8m0_scales_), mult(static_cast<float>(mult_)) {
+  // x [R, K] as given (checked), xs = input(x) (shared by the products of a group that share x)
+  Fp4Product(const torch::Tensor& x, const torch::Tensor& xs_, const torch::Tensor& codes_,
+             const torch::Tensor& scales_, int64_t group_, bool e8m0_scales_, float mult_)
+      : xs(xs_), codes(codes_), scales(scales_), group(group_), e8m0_scales(e8m0_scales_), mult(mult_) {
     R = x.size(0), K = x.size(1), N = codes.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
     TORCH_CHECK(K % 16 == 0 && (group == 16 || group == 32) && K % group == 0, "K must be a multiple of the group");
     check(x, codes, K / 2);
     G = K / group;
-    TORCH_CHECK(scales.scalar_type() == torch::kUInt8 && scales.is_contiguous() && scales.size(0) == N &&
-                scales.size(1) == G, "scales must be uint8 [N, K / group]");
-    bf16 = x.scalar_type() == torch::kBFloat16;
-#if defined(HYBRID_BF16_DOT)
-    xs = bf16 ? reorder(x, kFp4Chunk, fp4_element) : fp4_fp32_layout(x);
-#elif defined(__AVX512F__)
-    xs = fp4_fp32_layout(x);
-#else
-    xs = split_even_odd(x);
-#endif
+    TORCH_CHECK(scales.element_size() == 1 && scales.is_contiguous() && scales.dim() >= 1 && scales.size(0) == N &&
+                scales.numel() == N * G, "scales must be contiguous bytes [N, K / group]");
+    bf16 = xs.scalar_type() == torch::kBFloat16;
     y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+  }
+  static torch::Tensor input(const torch::Tensor& x) {
+    check_x(x);
+#if defined(HYBRID_BF16_DOT)
+    if (x.scalar_type() == torch::kBFloat16) return reorder<uint16_t>(x, kFp4Chunk, fp4_element);
+#endif
+#if defined(__AVX512F__)
+    return fp4_fp32_layout(x);
+#else
+    return split_even_odd(x);
+#endif
   }
   void tile(int64_t t) const {
     const int64_t ldx = xs.size(1), esize = xs.element_size();
     const char* xp = static_cast<const char*>(xs.data_ptr());
-    const uint8_t* cp = codes.data_ptr<uint8_t>();
-    const uint8_t* sp = scales.data_ptr<uint8_t>();
+    const uint8_t* cp = bytes_of(codes);
+    const uint8_t* sp = bytes_of(scales);
     float* yp = y.data_ptr<float>();
     float part[kTileN][kTileR];
     Fp4Rows w;
@@ -961,20 +995,32 @@ struct Fp4Product {
   }
 };
 
-// [xs[g] @ W_g.T for each g] in one parallel loop, W_g = (codes[g], scales[g], mults[g]) in one FP4 format
+// The multiplier of every weight from an NVFP4 global scale g (one float32 value): g, or 1 / g when
+// `divisor` (compressed-tensors' global divides, ModelOpt's multiplies; 1 / g taken in double, then rounded)
+float global_mult(const torch::Tensor& g, bool divisor) {
+  TORCH_CHECK(g.numel() == 1 && g.scalar_type() == torch::kFloat, "the global scale must be one float32 value");
+  const float v = *g.data_ptr<float>();
+  return divisor ? static_cast<float>(1.0 / static_cast<double>(v)) : v;
+}
+
+// [xs[g] @ W_g.T for each g] in one parallel loop, W_g = (codes[g], scales[g], globals[g]) in one FP4 format;
+// `globals` empty: every multiplier 1 (MXFP4)
 std::vector<torch::Tensor> fp4_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& codes,
                                             const std::vector<torch::Tensor>& scales, int64_t group, bool e8m0_scales,
-                                            const std::vector<double>& mults) {
-  TORCH_CHECK(xs.size() == codes.size() && codes.size() == scales.size() && scales.size() == mults.size(),
-              "as many inputs as weights, scales and multipliers");
+                                            const std::vector<torch::Tensor>& globals, bool divisor) {
+  TORCH_CHECK(xs.size() == codes.size() && codes.size() == scales.size() &&
+              (globals.empty() || globals.size() == xs.size()), "as many inputs as weights, scales and global scales");
+  const auto inputs = once_per_input(xs, &Fp4Product::input);
   std::vector<Fp4Product> jobs;
-  for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], codes[g], scales[g], group, e8m0_scales, mults[g]);
+  for (size_t g = 0; g < xs.size(); ++g)
+    jobs.emplace_back(xs[g], inputs[g], codes[g], scales[g], group, e8m0_scales,
+                      globals.empty() ? 1.0f : global_mult(globals[g], divisor));
   return parallel_tiles(jobs);
 }
 
 torch::Tensor fp4_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t group,
-                         bool e8m0_scales, double mult) {
-  return fp4_linear_group({x}, {codes}, {scales}, group, e8m0_scales, {mult})[0];
+                         bool e8m0_scales, const std::vector<torch::Tensor>& globals, bool divisor) {
+  return fp4_linear_group({x}, {codes}, {scales}, group, e8m0_scales, globals, divisor)[0];
 }
 
 }  // namespace
