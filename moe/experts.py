@@ -70,21 +70,21 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
     they add nothing to the sum.
     """
     T = ids.shape[0]
-    inside = (ids >= 0) & (ids < n_experts)
-    if T == 1:
-        if not bool(inside.all()):
-            keep = inside[0]
-            if not bool(keep.any()):
+    if T == 1:  # the checks in Python on k ints: a decode step's fixed cost is its count of tensor calls
+        chosen = ids[0].tolist()
+        if not all(0 <= e < n_experts for e in chosen):
+            keep = [j for j, e in enumerate(chosen) if 0 <= e < n_experts]
+            if not keep:
                 return x.new_zeros(1, x.shape[-1])
-            ids, weights = ids[:, keep], weights[:, keep]
+            ids, weights, chosen = ids[:, keep], weights[:, keep], [chosen[j] for j in keep]
         if group is not None:
-            chosen = ids[0].tolist()
             y = torch.stack(group(chosen, [x] * len(chosen)))  # [k, 1, L]
-            return (y.float() * weights[0, :, None, None]).sum(0).to(x.dtype)  # summed in fp32
+            return (y.float() * weights.reshape(-1, 1, 1)).sum(0).to(x.dtype)  # summed in fp32
         y = torch.zeros(1, x.shape[-1], dtype=torch.float32, device=x.device)
-        for e, w in zip(ids[0].tolist(), weights[0].tolist()):
+        for e, w in zip(chosen, weights[0].tolist()):
             y.add_(expert(e, x).float(), alpha=w)
         return y.to(x.dtype)
+    inside = (ids >= 0) & (ids < n_experts)
     if not bool(inside.all()):
         ids = ids.masked_fill(~inside, n_experts)  # sorted last, never run
     order, token_of, counts = _sort_by_expert(ids, n_experts)
