@@ -155,18 +155,32 @@ std::vector<torch::Tensor> once_per_input(const std::vector<torch::Tensor>& xs, 
   return out;
 }
 
-#if defined(__AVX512F__)
-// 32 E4M3 bytes -> 32 fp32 equal to e4m3(b) * 2^-8, exactly, except NaN (the fp16 route of the AVX2
-// path's decode_e4m3_scaled below, 32 wide: each byte sign-extended to 16 bits, shifted left by 7, bit 14
-// cleared, is the fp16 S.0EEEE.MMM0000000 = e4m3 * 2^-8; `vcvtph2ps` converts fp16 subnormals too). No fp32
+#if defined(__AVX512F__) || defined(HYBRID_AVX2)
+// E4M3 bytes -> the fp16 bits of e4m3(b) * 2^-8, exactly, except NaN: the byte sign-extended to 16 bits and
+// shifted left by 7 is S.S.EEEE.MMM.0000000; clearing bit 14 (a copy of the sign) leaves the fp16
+// S.0EEEE.MMM0000000, whose value is the E4M3 value times 2^(7 - 15) (fp16 has subnormals too, so the E4M3
+// subnormals map onto them; `vcvtph2ps` converts fp16 exactly, denormals included, whatever MXCSR's DAZ / FTZ
+// say). The NaN codes S.1111.111 come out as +-1.875 here: callers detect them on the bytes. No fp32
 // subnormal is ever formed: an Intel core takes a microcode assist (~100 cycles) on each multiply with one.
+inline __m256i e4m3_fp16(__m128i bytes) {  // 16 bytes
+  return _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
+                          _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+}
+#endif
+
+#if defined(__AVX512F__)
+inline __m512i e4m3_fp16(__m256i bytes) {  // 32 bytes
+  return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
+                          _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+}
+
+// 32 E4M3 bytes -> 32 fp32 equal to e4m3(b) * 2^-8 (e4m3_fp16, widened).
 // The former decoder (the bits shifted into fp32's fields, then times 2^120, 13 instructions per 16) read,
 // on an Intel core without AVX512_BF16, 2 threads, Nano's 1,856 x 2,688 experts at one input row: 1.0 GB/s
 // of random bytes (1 in 16 subnormal), 9.2 of block-quantized Gaussian weights; this one 15.1 and 17-21
 // (15.1 / 9.2 at 4 rows, 2.4 / 1.7 at 16). NaN codes: callers check the bytes.
 inline void decode_e4m3_scaled(__m256i bytes, __m512& lo, __m512& hi) {
-  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(bytes), 7),
-                                     _mm512_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m512i h = e4m3_fp16(bytes);
   lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
   hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
 }
@@ -424,14 +438,9 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// 16 E4M3 bytes -> 16 fp32 equal to e4m3(b) * 2^-8, exactly, except NaN: the byte sign-extended to 16 bits
-// and shifted left by 7 is S.S.EEEE.MMM.0000000; clearing bit 14 (a copy of the sign) leaves the fp16
-// S.0EEEE.MMM0000000, whose value is the E4M3 value times 2^(7 - 15) (fp16 has subnormals too, so the E4M3
-// subnormals map onto them; `vcvtph2ps` converts fp16 exactly, denormals included, whatever MXCSR's DAZ / FTZ
-// say). The NaN codes S.1111.111 come out as +-1.875 here: callers detect them on the bytes.
+// 16 E4M3 bytes -> 16 fp32 equal to e4m3(b) * 2^-8 (e4m3_fp16, widened).
 inline void decode_e4m3_scaled(__m128i bytes, __m256& lo, __m256& hi) {
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(bytes), 7),
-                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m256i h = e4m3_fp16(bytes);
   lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
 }
@@ -822,7 +831,8 @@ std::vector<torch::Tensor> fp8_linear_group(const std::vector<torch::Tensor>& xs
                                             const std::vector<torch::Tensor>& scales, int64_t granularity,
                                             int64_t block) {
   TORCH_CHECK(xs.size() == qs.size() && qs.size() == scales.size(), "as many inputs as weights and scales");
-  const auto inputs = once_per_input(xs, [&](const torch::Tensor& x) { return Fp8Product::input(x, granularity, block); });
+  const auto inputs =
+      once_per_input(xs, [&](const torch::Tensor& x) { return Fp8Product::input(x, granularity, block); });
   std::vector<Fp8Product> jobs;
   for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], inputs[g], qs[g], scales[g], granularity, block);
   return parallel_tiles(jobs);
@@ -842,7 +852,7 @@ torch::Tensor fp4_fp32_layout(const torch::Tensor& x) {
 }
 
 // A 128-element chunk's scales, lane d taking the scale of the block of elements 8d..8d+7: n <= 8 E4M3 bytes
-// (NVFP4, block d / 2) as fp32 times 2^-8 by the fp16 route of decode_e4m3_scaled (the NaN bytes made NaN),
+// (NVFP4, block d / 2) as fp32 times 2^-8 by the fp16 route of e4m3_fp16 (the NaN bytes made NaN),
 // or n <= 4 E8M0 bytes (MXFP4, block d / 4); lanes past the n blocks are 0
 inline __m512 fp4_chunk_scales(const uint8_t* p, int64_t n, bool e8m0_scales) {
   const __m128i b = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << n) - 1), p);
@@ -851,10 +861,9 @@ inline __m512 fp4_chunk_scales(const uint8_t* p, int64_t n, bool e8m0_scales) {
     return _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << (4 * n)) - 1), decode_e8m0(_mm_shuffle_epi8(b, spread)));
   }
   const __m128i pairs = _mm_unpacklo_epi8(b, b);  // byte d = scale d / 2
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(pairs), 7),
-                                     _mm256_set1_epi16(static_cast<short>(0xBFFF)));
   const __m128i m7 = _mm_set1_epi8(0x7F);
-  return _mm512_mask_mov_ps(_mm512_cvtph_ps(h), _mm_cmpeq_epi8_mask(_mm_and_si128(pairs, m7), m7), _mm512_set1_ps(NAN));
+  return _mm512_mask_mov_ps(_mm512_cvtph_ps(e4m3_fp16(pairs)), _mm_cmpeq_epi8_mask(_mm_and_si128(pairs, m7), m7),
+                            _mm512_set1_ps(NAN));
 }
 #else
 // fp32 x is first laid out per 32-element chunk as its 16 even elements then its 16 odd ones, the order in
