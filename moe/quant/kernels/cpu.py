@@ -143,7 +143,8 @@ def linear_group(xs: list[torch.Tensor], weight, experts: list[int | None], ext=
     """`[linear(x, weight, e) for x, e in zip(xs, experts)]` in one call of the extension: one parallel loop
     over the tiles of every product (the k experts a decoded token chose: one fork of the threads, not k)."""
     ext = ext or module()
-    ts = [weight.expert(e) for e in experts]  # the packed tensors as stored (the extension reads their bytes)
+    # the packed tensors as stored (the extension reads their bytes; a copy only of one not contiguous)
+    ts = [{r: t if t.is_contiguous() else t.contiguous() for r, t in weight.expert(e).items()} for e in experts]
     ready = {}  # one conversion per distinct input (a decoded token's k experts share one x)
     for x in xs:
         if id(x) not in ready:
