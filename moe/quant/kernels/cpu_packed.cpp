@@ -887,7 +887,7 @@ torch::Tensor split_even_odd(const torch::Tensor& x) {
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512VBMI__)
 // fp4_tile's sums element by element with the scalar decoders (every scale byte, 0 and 255 included), x in
 // fp4_fp32_layout's order: for the rare tiles whose scales the vector path does not decode exactly
 template <int NT, int RT>
