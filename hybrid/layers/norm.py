@@ -1,14 +1,16 @@
 """RMSNorm and the grouped, gated RMSNorm of the Mamba-2 mixer.
 
 Both compute in fp32 whatever the weight dtype and return the input dtype (reference: transformers
-`NemotronHRMSNorm` / `NemotronHRMSNormGated`, mamba-ssm `RMSNormGated` with `norm_before_gate=False`).
+`NemotronHRMSNorm` / `NemotronHRMSNormGated`, mamba-ssm `RMSNormGated` with `norm_before_gate=False`); the
+math is `hybrid.ops.norm`'s, through the `hybrid.ops` seam (a fused CPU kernel where it applies).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from hybrid import ops
 
 
 class RMSNorm(nn.Module):
@@ -23,7 +25,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -42,6 +44,4 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        g = (x.float() * F.silu(z.float())).unflatten(-1, (self.n_groups, -1))
-        g = F.rms_norm(g, (g.shape[-1],), eps=self.eps)
-        return (g.flatten(-2) * self.weight.float()).to(out_dtype)
+        return ops.gated_rms_norm(x, z, self.weight, self.n_groups, self.eps, out_dtype)

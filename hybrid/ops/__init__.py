@@ -5,7 +5,8 @@ when the `mamba-ssm` / `causal-conv1d` packages (extra `cuda`) are importable, t
 step and the decode conv step use their kernels instead; on the CPU, the whole decode step of several
 sequences (`mamba_decode_step`) runs in the C++ kernel of `cpu.py` when it builds. The scan kernels take the already
 processed `dt` (softplus, clamp and padding mask applied by the mixer), so every path shares one
-definition of `dt` (tests/test_cases.py, case 1).
+definition of `dt` (tests/test_cases.py, case 1). The RMSNorms (`rms_norm`, `gated_rms_norm`; specification
+`norm.py`) run in one fused C++ call per norm on CPU tensors of fp32 / bf16 when no gradient is wanted.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import torch
 from hybrid.ops import conv1d as _conv
 from hybrid.ops import cpu as _cpu
 from hybrid.ops import decode as _decode
+from hybrid.ops import norm as _norm
 from hybrid.ops import ssd as _ssd
 from hybrid.ops.conv1d import causal_conv1d
 
-__all__ = ["causal_conv1d", "conv_step", "mamba_decode_step", "ssd_scan", "ssd_step"]
+__all__ = ["causal_conv1d", "conv_step", "gated_rms_norm", "mamba_decode_step", "rms_norm", "ssd_scan", "ssd_step"]
 
 
 @functools.cache
@@ -101,3 +103,32 @@ def mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, ti
                                     d_inner, n_groups)
     return _decode.mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, time_step_limit,
                                      d_inner, n_groups, conv_step, ssd_step)
+
+
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _fused_norm(*tensors):
+    """The fused norm extension when every tensor suits it (CPU, fp32 / bf16, no gradient to record), else None."""
+    if any(t.device.type != "cpu" or t.dtype not in _FUSED_DTYPES for t in tensors):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return _cpu.norm_module()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; shapes and dtypes as in `hybrid.ops.norm.rms_norm`."""
+    ext = _fused_norm(x, weight)
+    if ext is None:
+        return _norm.rms_norm(x, weight, eps)
+    return ext.rms_norm(x.contiguous(), weight.contiguous(), float(eps))
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, n_groups: int, eps: float,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """The Mamba-2 mixer's grouped gated RMSNorm; shapes and dtypes as in `hybrid.ops.norm.gated_rms_norm`."""
+    ext = _fused_norm(x, z, weight) if x.dtype == torch.float32 and out_dtype in _FUSED_DTYPES else None
+    if ext is None:
+        return _norm.gated_rms_norm(x, z, weight, n_groups, eps, out_dtype)
+    return ext.gated_rms_norm(x.contiguous(), z.contiguous(), weight.contiguous(), n_groups, float(eps), out_dtype)

@@ -6,6 +6,8 @@
 - `cpu_attention.cpp` (`attention_module`): one query per sequence over its keys and values where they lie
   (a dense cache's rows, or a paged cache's pool rows, never gathered into a copy), in one parallel loop
   over the sequences' KV heads.
+- `cpu_norm.cpp` (`norm_module`): RMSNorm and the gated, grouped RMSNorm of the Mamba-2 mixer, each one
+  call and one pass per row, where the specification (`hybrid.ops.norm`) is 4 to 10 PyTorch operations.
 
 Built like the packed-weight kernels (`moe.quant.kernels.cpu.build`: cached by source, torch and CPU;
 `HYBRID_CPU_KERNELS=0` or a failed build leaves the PyTorch path).
@@ -18,6 +20,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_mamba.cpp")
 ATTENTION_SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+NORM_SOURCE = Path(__file__).with_name("cpu_norm.cpp")
 
 
 @functools.cache
@@ -36,3 +39,12 @@ def attention_module():
 
     return build(ATTENTION_SOURCE, "hybrid_attention", what="the decode-attention kernel (once for this source, "
                                                             "torch and CPU; about 20 s)")
+
+
+@functools.cache
+def norm_module():
+    """The compiled RMSNorm extension, or None (disabled, or it cannot be built)."""
+    from moe.quant.kernels.cpu import build
+
+    return build(NORM_SOURCE, "hybrid_norm", what="the RMSNorm kernels (once for this source, torch and CPU; about "
+                                                  "20 s)")
