@@ -1,6 +1,7 @@
 """`hybrid.layers.attention.decode_attention` (one query over unmasked keys, the CPU decode path) and its C++
-kernel (`hybrid.ops.cpu.attention_module`: dense and paged rows) against a float64 softmax attention; the
-kernel's dense and paged entries give the same bits; the layer's decode through them against its SDPA path;
+kernel (`hybrid.ops.cpu.attention_module`: dense and paged rows; its AVX-512 build where the CPU has it and its
+portable build, plain loops, everywhere) against a float64 softmax attention; the kernel's dense and paged
+entries give the same bits; the layer's decode through them against its SDPA path;
 a packed engine step's decodes through the paged entry equal the step without the kernel."""
 
 import pytest
@@ -21,11 +22,20 @@ def reference(q, k, v):
     return scores.softmax(dim=-1) @ v
 
 
-@pytest.mark.parametrize("fn", [decode_attention, pytest.param(one_query_attention, marks=needs_kernel)],
-                         ids=["pytorch", "kernel"])
+def portable_kernel(q, k, v):
+    """The kernel built without AVX-512 (the plain loops a CPU without it runs)."""
+    b, nq, _, hd = q.shape
+    out = attention_module(portable=True).decode_attention(q.reshape(b, nq, hd), k, v, hd ** -0.5)
+    return out.reshape(b, nq, 1, hd).to(q.dtype)
+
+
+@pytest.mark.parametrize("fn", [decode_attention, pytest.param(one_query_attention, marks=needs_kernel),
+                                pytest.param(portable_kernel, marks=needs_kernel)],
+                         ids=["pytorch", "kernel", "portable-kernel"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+# (40 / 2: 20 query heads per KV head, more than one vector's 16 lanes)
 @pytest.mark.parametrize("nq,nkv,hd,S", [(16, 2, 64, 2070), (32, 2, 128, 300), (4, 4, 16, 1), (6, 1, 32, 17),
-                                         (4, 2, 20, 33)])
+                                         (4, 2, 20, 33), (40, 2, 32, 50)])
 def test_decode_attention_equals_float64_attention(fn, dtype, tol, nq, nkv, hd, S):
     g = torch.Generator().manual_seed(nq * S + hd)
     q, k, v = (torch.randn(b_shape, generator=g).to(dtype) for b_shape in

@@ -33,12 +33,13 @@ def module():
 
 
 @functools.cache
-def attention_module():
-    """The compiled decode-attention extension, or None (disabled, or it cannot be built)."""
-    from moe.quant.kernels.cpu import build
+def attention_module(portable: bool = False):
+    """The compiled decode-attention extension, or None (disabled, or it cannot be built). `portable`: the
+    build without AVX-512 (its plain loops: what a CPU without it runs; tests compare it too)."""
+    from moe.quant.kernels.cpu import FLAGS, PORTABLE, build
 
-    return build(ATTENTION_SOURCE, "hybrid_attention", what="the decode-attention kernel (once for this source, "
-                                                            "torch and CPU; about 20 s)")
+    return build(ATTENTION_SOURCE, "hybrid_attention", FLAGS + PORTABLE if portable else FLAGS,
+                 what="the decode-attention kernel (once for this source, torch and CPU; about 20 s)")
 
 
 @functools.cache

@@ -8,8 +8,9 @@
 //   decode_attention(q [S, nq, hd], k / v [S, nkv, L, hd] any strides, last dimension contiguous)
 //   paged_decode_attention(q [S, nq, hd], k / v pools [R, nkv, hd] contiguous, rows: S int64 tensors of
 //                          pool rows, L_s each)  -- a paged KV cache's blocks, never gathered into a copy
-// Both run the same loop (one parallel loop over the S x nkv heads), so a sequence gets the same bits either
-// way. Returns out [S, nq, hd] fp32. Built on first use by hybrid/ops/cpu.py; the PyTorch path stays the
+// Both run the same loop (one parallel loop over the S x nkv heads, and with AVX-512 over blocks of 16 of a KV
+// head's query heads, the lanes of a vector), so a sequence gets the same bits either way; a CPU without
+// AVX-512 runs plain loops (-mno-avx512f builds them on any CPU, and the tests compare them too). Returns out [S, nq, hd] fp32. Built on first use by hybrid/ops/cpu.py; the PyTorch path stays the
 // reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,7 +20,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -55,7 +60,113 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.f : p * scale;
 }
 
-// One (sequence, KV head): G query rows q [G, hd] fp32 over L key / value rows given by row(t) -> offset;
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 on 16 lanes: exp_nonpositive's steps (above), lane by lane
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 e = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), e);
+}
+
+// The key or value rows t0 .. t0 + n - 1 as fp32 rows of hd: fp32 data where it lies, bf16 widened into buf.
+// The rows kAhead further (of L) are asked for meanwhile: a row is a few cache lines, often of a paged
+// pool's scattered blocks, and a core waiting on each in turn read 2 GB/s.
+constexpr int64_t kAhead = 64;
+template <typename T, typename Row>
+inline void fp32_rows(const T* data, Row row, int64_t t0, int64_t n, int64_t L, int64_t hd, float* buf,
+                      const float** out) {
+  for (int64_t j = 0; j < n && t0 + j + kAhead < L; ++j) {
+    const char* ahead = reinterpret_cast<const char*>(data + row(t0 + j + kAhead));
+    for (int64_t b = 0; b < hd * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* src = data + row(t0 + j);
+    if (std::is_same_v<T, float> && hd % 16 == 0) {  // (a partial 16-dimension block would read past the row)
+      out[j] = reinterpret_cast<const float*>(src);
+    } else {
+      float* dst = buf + j * hd;
+      int64_t d = 0;
+      for (; std::is_same_v<T, at::BFloat16> && d + 16 <= hd; d += 16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+        _mm512_storeu_ps(dst + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      }
+      for (; d < hd; ++d) dst[d] = static_cast<float>(src[d]);
+      out[j] = dst;
+    }
+  }
+}
+
+// One (sequence, KV head, up to 16 of its query heads): the query heads are the 16 lanes of every vector,
+// so nothing is summed across lanes. Scores: for each key, sum_d broadcast(k_t[d]) * qT[d] (qT[d]: lane g
+// holds q[g, d] * scale), 8 keys at a time (8 independent sums); softmax lane by lane over the keys; then
+// out^T[d] += broadcast(v_t[d]) * p_t, 16 dimensions at a time held in registers over a block of keys.
+// Measured against the plain loops below (2 threads of an Intel Xeon with AVX-512, bf16 keys and values, the
+// dense entry): 16 sequences x 2,100 keys at 16 / 2 heads of 64 (the `medium` preset serving 16 users):
+// 4.5 -> 2.2 ms per call; one sequence at 32 / 2 heads of 128 (Nano's attention): 4,096 keys 2.2 -> 0.8 ms,
+// 32,768 keys 13.7 -> 4.2 ms.
+template <typename T, typename Row>
+void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64_t L, Row row, float scale,
+            float* out) {
+  constexpr int64_t KB = 8, VB = 32;  // keys per block: the scores' sums, the values' rows
+  thread_local std::vector<float> qt, scores, buf, acc;
+  qt.assign(hd * 16, 0.f);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < hd; ++d) qt[d * 16 + g] = q[g * hd + d] * scale;
+  scores.resize(L * 16);
+  buf.resize(VB * hd + 16);  // + 16: the last row's final 16-dimension block may read past hd
+  const float* rows[VB];
+  for (int64_t t0 = 0; t0 < L; t0 += KB) {
+    const int64_t n = std::min(KB, L - t0);
+    fp32_rows(k, row, t0, n, L, hd, buf.data(), rows);
+    for (int64_t j = n; j < KB; ++j) rows[j] = rows[0];  // past L: a repeat, never stored
+    __m512 s[KB];
+    for (int64_t j = 0; j < KB; ++j) s[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; ++d) {
+      const __m512 qd = _mm512_loadu_ps(qt.data() + d * 16);
+      for (int64_t j = 0; j < KB; ++j) s[j] = _mm512_fmadd_ps(_mm512_set1_ps(rows[j][d]), qd, s[j]);
+    }
+    for (int64_t j = 0; j < n; ++j) _mm512_storeu_ps(scores.data() + (t0 + j) * 16, s[j]);
+  }
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < L; ++t) m = _mm512_max_ps(m, _mm512_loadu_ps(scores.data() + t * 16));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores.data() + t * 16), m));
+    _mm512_storeu_ps(scores.data() + t * 16, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const int64_t dblocks = (hd + 15) / 16;
+  acc.assign(dblocks * 16 * 16, 0.f);  // acc[d * 16 + g]: out^T, padded to whole 16-dimension blocks
+  for (int64_t t0 = 0; t0 < L; t0 += VB) {
+    const int64_t n = std::min(VB, L - t0);
+    fp32_rows(v, row, t0, n, L, hd, buf.data(), rows);
+    for (int64_t b = 0; b < dblocks; ++b) {
+      const int64_t d0 = b * 16;
+      __m512 a[16];
+      for (int64_t i = 0; i < 16; ++i) a[i] = _mm512_loadu_ps(acc.data() + (d0 + i) * 16);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m512 p = _mm512_loadu_ps(scores.data() + (t0 + t) * 16);
+        const float* vr = rows[t] + d0;
+        for (int64_t i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(vr[i]), p, a[i]);
+      }
+      for (int64_t i = 0; i < 16; ++i) _mm512_storeu_ps(acc.data() + (d0 + i) * 16, a[i]);
+    }
+  }
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < hd; ++d) out[g * hd + d] = acc[d * 16 + g] * inv[g];
+}
+#else
+// One (sequence, KV head, G of its query heads): G query rows q [G, hd] fp32 over L key / value rows given by row(t) -> offset;
 // out [G, hd] fp32 (contiguous).
 template <typename T, typename Row>
 void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64_t L, Row row, float scale,
@@ -114,6 +225,8 @@ void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64
   }
 }
 
+#endif
+
 // Every (sequence s, KV head h) of q [S, nq, hd] in one parallel loop over keys and values k / v (fp32 or
 // bf16 data, flat): sequence s has length(s) rows, row t of head h at element offset(s, h, t).
 template <typename Length, typename Offset>
@@ -121,14 +234,21 @@ torch::Tensor attend_all(const torch::Tensor& q, const torch::Tensor& k, const t
                          double scale, Length length, Offset offset) {
   const torch::Tensor qf = q.to(torch::kFloat32).contiguous();
   const int64_t S = q.size(0), nq = q.size(1), hd = q.size(2), G = nq / nkv;
+#if defined(__AVX512F__)
+  const int64_t width = 16;  // query heads per task: the lanes of a vector
+#else
+  const int64_t width = G;
+#endif
+  const int64_t chunks = (G + width - 1) / width;
   auto out = torch::empty({S, nq, hd}, q.options().dtype(torch::kFloat32));
   auto run = [&](auto* kp, auto* vp) {
-    at::parallel_for(0, S * nkv, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, S * nkv * chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t s = i / nkv, h = i % nkv;
-        attend(qf.data_ptr<float>() + (s * nq + h * G) * hd, G, hd, kp, vp, length(s),
+        const int64_t s = i / (nkv * chunks), h = i / chunks % nkv, g0 = i % chunks * width;
+        const int64_t first = s * nq + h * G + g0;  // the task's first query head
+        attend(qf.data_ptr<float>() + first * hd, std::min(width, G - g0), hd, kp, vp, length(s),
                [&](int64_t t) { return offset(s, h, t); }, static_cast<float>(scale),
-               out.data_ptr<float>() + (s * nq + h * G) * hd);
+               out.data_ptr<float>() + first * hd);
       }
     });
   };
