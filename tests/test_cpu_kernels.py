@@ -276,6 +276,9 @@ def test_the_build_is_keyed_on_the_source_torch_and_cpu():
     names = {cpu.build_name(b"a", "2.13", "avx512f"), cpu.build_name(b"b", "2.13", "avx512f"),
              cpu.build_name(b"a", "2.14", "avx512f"), cpu.build_name(b"a", "2.13", "avx2")}
     assert len(names) == 4 and all(n.startswith("hybrid_packed_") for n in names)
+    # the torch of another virtual environment (same version, other headers) is another torch
+    key = cpu.torch_key()
+    assert key.startswith(torch.__version__) and str(Path(torch.__file__).resolve().parent) in key
 
 
 AVX2 = all(f in cpu._cpu_flags().split() for f in ("avx2", "fma", "f16c"))

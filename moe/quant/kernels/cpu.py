@@ -14,7 +14,9 @@ loops, table lookups) elsewhere; inputs are fp32 on all but the first.
 
 The extension is compiled on first use (never at import; a message says so; about 30 s), with -O3
 -march=native, into `~/.cache/hybrid/kernels/<name>`, where the name is a digest of the source, the torch
-version and this CPU's feature flags, so a build is never used for another source, torch or CPU. If it
+version and install (each virtual environment's torch has its own headers: torch's builder would otherwise
+recompile silently on the first use from a new one), and this CPU's feature flags, so a build is never used
+for another source, torch or CPU. If it
 cannot be built (no compiler, no ninja) or `HYBRID_CPU_KERNELS=0` is set, `module()` is None and the
 packed modules keep the PyTorch reference (dequantize, then matmul), which stays tested.
 """
@@ -48,6 +50,11 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def torch_key() -> str:
+    """This torch: its version and where it is installed (the headers a build compiles against)."""
+    return f"{torch.__version__} {Path(torch.__file__).resolve().parent}"
+
+
 def build_name(source: bytes, torch_version: str, cpu_flags: str, flags: tuple[str, ...] = FLAGS,
                prefix: str = "hybrid_packed") -> str:
     """The extension's name and cache directory: a digest of what the build depends on."""
@@ -65,11 +72,11 @@ def module(portable: bool = False):
 
 def build(source: Path, prefix: str, flags: tuple[str, ...] = FLAGS, what: str = "a CPU kernel"):
     """Compile the C++ extension `source` on first use into `$HYBRID_CACHE/kernels/<prefix>_<digest>` (the
-    digest of `build_name`: never used for another source, torch or CPU), saying so once; None when
+    digest of `build_name`: never used for another source, torch (`torch_key`) or CPU), saying so once; None when
     `HYBRID_CPU_KERNELS=0` is set or it cannot be built (a warning names why)."""
     if os.environ.get("HYBRID_CPU_KERNELS", "1") == "0":
         return None
-    name = build_name(source.read_bytes(), torch.__version__, _cpu_flags(), flags, prefix)
+    name = build_name(source.read_bytes(), torch_key(), _cpu_flags(), flags, prefix)
     directory = Path(os.environ.get("HYBRID_CACHE", Path.home() / ".cache" / "hybrid")) / "kernels" / name
     try:
         from torch.utils.cpp_extension import load
