@@ -10,8 +10,8 @@
 //                          pool rows, L_s each)  -- a paged KV cache's blocks, never gathered into a copy
 // Both run the same loop (one parallel loop over the S x nkv heads, and with AVX-512 over blocks of 16 of a KV
 // head's query heads, the lanes of a vector), so a sequence gets the same bits either way; a CPU without
-// AVX-512 runs plain loops (-mno-avx512f builds them on any CPU, and the tests compare them too). Returns out [S, nq, hd] fp32. Built on first use by hybrid/ops/cpu.py; the PyTorch path stays the
-// reference.
+// AVX-512 runs plain loops (-mno-avx512f builds them on any CPU, and the tests compare them too). Returns
+// out [S, nq, hd] fp32. Built on first use by hybrid/ops/cpu.py; the PyTorch path stays the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -166,7 +166,8 @@ void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64
     for (int64_t d = 0; d < hd; ++d) out[g * hd + d] = acc[d * 16 + g] * inv[g];
 }
 #else
-// One (sequence, KV head, G of its query heads): G query rows q [G, hd] fp32 over L key / value rows given by row(t) -> offset;
+// One (sequence, KV head, G of its query heads): G query rows q [G, hd] fp32 over L key / value rows given by
+// row(t) -> offset;
 // out [G, hd] fp32 (contiguous).
 template <typename T, typename Row>
 void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64_t L, Row row, float scale,
