@@ -16,9 +16,9 @@ The extension is compiled on first use (never at import; a message says so; abou
 -march=native, into `~/.cache/hybrid/kernels/<name>`, where the name is a digest of the source, the torch
 version and install (each virtual environment's torch has its own headers: torch's builder would otherwise
 recompile silently on the first use from a new one), and this CPU's feature flags, so a build is never used
-for another source, torch or CPU. If it
-cannot be built (no compiler, no ninja) or `HYBRID_CPU_KERNELS=0` is set, `module()` is None and the
-packed modules keep the PyTorch reference (dequantize, then matmul), which stays tested.
+for another source, torch or CPU. If it cannot be built (no compiler, no ninja) or `HYBRID_CPU_KERNELS=0` is
+set, `module()` is None and the packed modules keep the PyTorch reference (dequantize, then matmul), which
+stays tested.
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ def torch_key() -> str:
     return f"{torch.__version__} {Path(torch.__file__).resolve().parent}"
 
 
-def build_name(source: bytes, torch_version: str, cpu_flags: str, flags: tuple[str, ...] = FLAGS,
+def build_name(source: bytes, torch_id: str, cpu_flags: str, flags: tuple[str, ...] = FLAGS,
                prefix: str = "hybrid_packed") -> str:
-    """The extension's name and cache directory: a digest of what the build depends on."""
-    key = hashlib.sha256(source + " ".join(flags).encode() + torch_version.encode() + cpu_flags.encode())
+    """The extension's name and cache directory: a digest of what the build depends on (`torch_id`: the
+    `torch_key()` of the torch it compiles against)."""
+    key = hashlib.sha256(source + " ".join(flags).encode() + torch_id.encode() + cpu_flags.encode())
     return f"{prefix}_{key.hexdigest()[:16]}"
 
 
