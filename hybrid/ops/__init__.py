@@ -69,7 +69,12 @@ def ssd_step(x, dt, A, B, C, state):
         return _ssd.ssd_step(x, dt, A, B, C, state)
     h, p = x.shape[1:]
     n = B.shape[-1]
-    y = kernels[1](state, x, dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n), B, C)
+    # zero D and dt_bias (the mixer adds D x itself, dt is already final): mamba-ssm 2.3's selective_state_update
+    # fails without them (it reads dt_bias's strides when dt and A are broadcast over the head dim, and unpacks
+    # D's strides with a misplaced `*`; both seen on an H200)
+    zeros = torch.zeros(h, 1, device=x.device, dtype=torch.float32).expand(h, p)
+    y = kernels[1](state, x, dt[..., None].expand(-1, -1, p), A.float()[:, None, None].expand(h, p, n), B, C,
+                   D=zeros, dt_bias=zeros)
     return y.float()
 
 
