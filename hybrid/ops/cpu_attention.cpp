@@ -12,7 +12,10 @@
 // head's query heads, the lanes of a vector), so a sequence gets the same bits either way; a CPU without
 // AVX-512 runs plain loops (-mno-avx512f builds them on any CPU, and the tests compare them too). Returns
 // out [S, nq, hd] fp32. Built on first use by hybrid/ops/cpu.py; the PyTorch path stays the reference.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h (half the compile)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -231,9 +234,9 @@ void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64
 // Every (sequence s, KV head h) of q [S, nq, hd] in one parallel loop over keys and values k / v (fp32 or
 // bf16 data, flat): sequence s has length(s) rows, row t of head h at element offset(s, h, t).
 template <typename Length, typename Offset>
-torch::Tensor attend_all(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t nkv,
-                         double scale, Length length, Offset offset) {
-  const torch::Tensor qf = q.to(torch::kFloat32).contiguous();
+at::Tensor attend_all(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t nkv,
+                      double scale, Length length, Offset offset) {
+  const at::Tensor qf = q.to(at::kFloat).contiguous();
   const int64_t S = q.size(0), nq = q.size(1), hd = q.size(2), G = nq / nkv;
 #if defined(__AVX512F__)
   const int64_t width = 16;  // query heads per task: the lanes of a vector
@@ -241,7 +244,7 @@ torch::Tensor attend_all(const torch::Tensor& q, const torch::Tensor& k, const t
   const int64_t width = G;
 #endif
   const int64_t chunks = (G + width - 1) / width;
-  auto out = torch::empty({S, nq, hd}, q.options().dtype(torch::kFloat32));
+  auto out = at::empty({S, nq, hd}, q.options().dtype(at::kFloat));
   auto run = [&](auto* kp, auto* vp) {
     at::parallel_for(0, S * nkv * chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
@@ -253,15 +256,15 @@ torch::Tensor attend_all(const torch::Tensor& q, const torch::Tensor& k, const t
       }
     });
   };
-  if (k.scalar_type() == torch::kFloat32) run(k.data_ptr<float>(), v.data_ptr<float>());
+  if (k.scalar_type() == at::kFloat) run(k.data_ptr<float>(), v.data_ptr<float>());
   else {
-    TORCH_CHECK(k.scalar_type() == torch::kBFloat16, "fp32 or bf16 keys and values");
+    TORCH_CHECK(k.scalar_type() == at::kBFloat16, "fp32 or bf16 keys and values");
     run(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>());
   }
   return out;
 }
 
-torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+at::Tensor decode_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [S, nq, hd]");
   TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.scalar_type() == v.scalar_type(), "k, v [S, nkv, L, hd]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides(), "k, v: the same strides, hd contiguous");
@@ -271,18 +274,18 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v
                     [&](int64_t s, int64_t h, int64_t t) { return s * ss + h * sh + t * st; });
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
-                                     std::vector<torch::Tensor> rows, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor k_pool, at::Tensor v_pool,
+                                  std::vector<at::Tensor> rows, double scale) {
   TORCH_CHECK(q.dim() == 3, "q must be [S, nq, hd]");
   TORCH_CHECK(k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous()
               && k_pool.scalar_type() == v_pool.scalar_type(), "k, v pools [R, nkv, hd], contiguous");
   const int64_t S = q.size(0), hd = q.size(2), nkv = k_pool.size(1), R = k_pool.size(0);
   TORCH_CHECK(static_cast<int64_t>(rows.size()) == S && k_pool.size(2) == hd && q.size(1) % nkv == 0,
               "q and the pools disagree");
-  std::vector<torch::Tensor> idx(S);
+  std::vector<at::Tensor> idx(S);
   std::vector<const int64_t*> row(S);
   for (int64_t s = 0; s < S; ++s) {
-    idx[s] = rows[s].to(torch::kInt64).contiguous();
+    idx[s] = rows[s].to(at::kLong).contiguous();
     TORCH_CHECK(idx[s].dim() == 1 && idx[s].numel() > 0, "each sequence has at least one row");
     const int64_t lo = idx[s].min().item<int64_t>(), hi = idx[s].max().item<int64_t>();
     TORCH_CHECK(lo >= 0 && hi < R, "a row outside the pool");

@@ -9,7 +9,10 @@
 //   SSD:   per head h (group g = h / (nh / ng)) and p: state = exp(dt A) state + (x dt) B_g,
 //          y = state . C_g + D x                                      (fp32, ssm_pool[i] in place)
 // Returns y [S, nh, P] fp32. Built on first use by hybrid/ops/cpu.py; the PyTorch path stays the reference.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h (half the compile)
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -47,19 +50,19 @@ void conv_step(const T* x, T* window, const float* w, const float* b, float* out
 }
 
 template <typename T>
-torch::Tensor step(const torch::Tensor& xBC, const torch::Tensor& dt, torch::Tensor& conv_pool, const torch::Tensor& w,
-                   const c10::optional<torch::Tensor>& bias, const torch::Tensor& dt_bias, const torch::Tensor& A,
-                   const torch::Tensor& D, double lo, double hi, torch::Tensor& ssm_pool, const torch::Tensor& slots,
-                   int64_t d_inner, int64_t n_groups) {
+at::Tensor step(const at::Tensor& xBC, const at::Tensor& dt, at::Tensor& conv_pool, const at::Tensor& w,
+                const c10::optional<at::Tensor>& bias, const at::Tensor& dt_bias, const at::Tensor& A,
+                const at::Tensor& D, double lo, double hi, at::Tensor& ssm_pool, const at::Tensor& slots,
+                int64_t d_inner, int64_t n_groups) {
   const int64_t S = xBC.size(0), C = xBC.size(1), K = w.size(1);
   const int64_t nh = ssm_pool.size(1), P = ssm_pool.size(2), N = ssm_pool.size(3);
   const int64_t* slot = slots.data_ptr<int64_t>();
   std::vector<float> conv_out(S * C);
-  torch::Tensor b = bias.has_value() ? bias->contiguous() : torch::Tensor();
+  at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   conv_step<T>(xBC.data_ptr<T>(), conv_pool.data_ptr<T>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
                conv_out.data(), S, C, K, slot, conv_pool.stride(0));
 
-  auto y = torch::empty({S, nh, P}, xBC.options().dtype(torch::kFloat32));
+  auto y = at::empty({S, nh, P}, xBC.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const T* dtp = dt.data_ptr<T>();
   const float *dtb = dt_bias.data_ptr<float>(), *Ap = A.data_ptr<float>(), *Dp = D.data_ptr<float>();
@@ -104,27 +107,27 @@ torch::Tensor step(const torch::Tensor& xBC, const torch::Tensor& dt, torch::Ten
   return y;
 }
 
-torch::Tensor mamba_step_slots(torch::Tensor xBC, torch::Tensor dt, torch::Tensor conv_pool, torch::Tensor conv_w,
-                               c10::optional<torch::Tensor> conv_b, torch::Tensor dt_bias, torch::Tensor A,
-                               torch::Tensor D, double lo, double hi, torch::Tensor ssm_pool, torch::Tensor slots,
-                               int64_t d_inner, int64_t n_groups) {
+at::Tensor mamba_step_slots(at::Tensor xBC, at::Tensor dt, at::Tensor conv_pool, at::Tensor conv_w,
+                            c10::optional<at::Tensor> conv_b, at::Tensor dt_bias, at::Tensor A,
+                            at::Tensor D, double lo, double hi, at::Tensor ssm_pool, at::Tensor slots,
+                            int64_t d_inner, int64_t n_groups) {
   TORCH_CHECK(xBC.dim() == 2 && dt.dim() == 2 && conv_pool.dim() == 3 && ssm_pool.dim() == 4, "shapes");
   TORCH_CHECK(xBC.scalar_type() == conv_pool.scalar_type() && dt.scalar_type() == xBC.scalar_type(),
               "xBC, dt and the conv pool share the model dtype");
-  TORCH_CHECK(ssm_pool.scalar_type() == torch::kFloat32 && ssm_pool.is_contiguous() && conv_pool.is_contiguous(),
+  TORCH_CHECK(ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous() && conv_pool.is_contiguous(),
               "contiguous pools, the SSM state in fp32");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == xBC.size(0), "one int64 slot per sequence");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == xBC.size(0), "one int64 slot per sequence");
   xBC = xBC.contiguous();
   dt = dt.contiguous();
   slots = slots.contiguous();
-  conv_w = conv_w.to(torch::kFloat32).contiguous();
-  if (conv_b.has_value()) conv_b = conv_b->to(torch::kFloat32);
-  dt_bias = dt_bias.to(torch::kFloat32).contiguous();
-  A = A.to(torch::kFloat32).contiguous();
-  D = D.to(torch::kFloat32).contiguous();
-  if (xBC.scalar_type() == torch::kFloat32)
+  conv_w = conv_w.to(at::kFloat).contiguous();
+  if (conv_b.has_value()) conv_b = conv_b->to(at::kFloat);
+  dt_bias = dt_bias.to(at::kFloat).contiguous();
+  A = A.to(at::kFloat).contiguous();
+  D = D.to(at::kFloat).contiguous();
+  if (xBC.scalar_type() == at::kFloat)
     return step<float>(xBC, dt, conv_pool, conv_w, conv_b, dt_bias, A, D, lo, hi, ssm_pool, slots, d_inner, n_groups);
-  TORCH_CHECK(xBC.scalar_type() == torch::kBFloat16, "fp32 or bf16 inputs");
+  TORCH_CHECK(xBC.scalar_type() == at::kBFloat16, "fp32 or bf16 inputs");
   return step<at::BFloat16>(xBC, dt, conv_pool, conv_w, conv_b, dt_bias, A, D, lo, hi, ssm_pool, slots, d_inner,
                             n_groups);
 }

@@ -7,7 +7,10 @@
 // computed in fp32 (the products in the specification's order) and rounded once to the output dtype. Each
 // row's sum of squares is summed in 16 lanes in a fixed order, so a row's result never depends on the other
 // rows (a batch equals its rows alone). Built on first use by hybrid/ops/cpu.py.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h (half the compile)
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -73,25 +76,25 @@ void gated_rows(const float* x, const Z* z, const W* w, O* out, int64_t R, int64
   });
 }
 
-void check_rows(const torch::Tensor& t, const char* name) {
+void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               " must be fp32 or bf16, got ", t.scalar_type());
 }
 
 template <typename X, typename W>
-void rms_out(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, int64_t R, int64_t d, float eps) {
+void rms_out(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, int64_t R, int64_t d, float eps) {
   rms_rows<X, W>(x.data_ptr<X>(), w.data_ptr<W>(), out.data_ptr<X>(), R, d, eps);
 }
 
 // x [..., d] fp32 / bf16, weight [d] fp32 / bf16 -> [..., d] in x's dtype
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   check_rows(weight, "weight");
   const int64_t d = x.size(-1), R = d ? x.numel() / d : 0;
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "weight must be [", d, "], got ", weight.sizes());
-  auto out = torch::empty_like(x);
-  const bool xf = x.scalar_type() == torch::kFloat32, wf = weight.scalar_type() == torch::kFloat32;
+  auto out = at::empty_like(x);
+  const bool xf = x.scalar_type() == at::kFloat, wf = weight.scalar_type() == at::kFloat;
   const float e = static_cast<float>(eps);
   if (xf && wf) rms_out<float, float>(x, weight, out, R, d, e);
   else if (xf) rms_out<float, at::BFloat16>(x, weight, out, R, d, e);
@@ -101,9 +104,9 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 }
 
 template <typename Z, typename W>
-void gated_out(const torch::Tensor& x, const torch::Tensor& z, const torch::Tensor& w, torch::Tensor& out, int64_t R,
+void gated_out(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, at::Tensor& out, int64_t R,
                int64_t d, int64_t groups, float eps) {
-  if (out.scalar_type() == torch::kFloat32)
+  if (out.scalar_type() == at::kFloat)
     gated_rows<Z, W, float>(x.data_ptr<float>(), z.data_ptr<Z>(), w.data_ptr<W>(), out.data_ptr<float>(), R, d,
                             groups, eps);
   else
@@ -112,19 +115,19 @@ void gated_out(const torch::Tensor& x, const torch::Tensor& z, const torch::Tens
 }
 
 // x [..., d] fp32, z [..., d] fp32 / bf16, weight [d] fp32 / bf16 -> [..., d] in out_dtype (fp32 / bf16)
-torch::Tensor gated_rms_norm(const torch::Tensor& x, const torch::Tensor& z, const torch::Tensor& weight,
-                             int64_t groups, double eps, at::ScalarType out_dtype) {
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& weight,
+                          int64_t groups, double eps, at::ScalarType out_dtype) {
   check_rows(x, "x");
   check_rows(z, "z");
   check_rows(weight, "weight");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be fp32, got ", x.scalar_type());
-  TORCH_CHECK(out_dtype == torch::kFloat32 || out_dtype == torch::kBFloat16, "out_dtype must be fp32 or bf16");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be fp32, got ", x.scalar_type());
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "out_dtype must be fp32 or bf16");
   TORCH_CHECK(z.sizes() == x.sizes(), "z must have x's shape ", x.sizes(), ", got ", z.sizes());
   const int64_t d = x.size(-1), R = d ? x.numel() / d : 0;
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d, "weight must be [", d, "], got ", weight.sizes());
   TORCH_CHECK(groups > 0 && d % groups == 0, "n_groups ", groups, " must divide ", d);
-  auto out = torch::empty(x.sizes(), x.options().dtype(out_dtype));
-  const bool zf = z.scalar_type() == torch::kFloat32, wf = weight.scalar_type() == torch::kFloat32;
+  auto out = at::empty(x.sizes(), x.options().dtype(out_dtype));
+  const bool zf = z.scalar_type() == at::kFloat, wf = weight.scalar_type() == at::kFloat;
   const float e = static_cast<float>(eps);
   if (zf && wf) gated_out<float, float>(x, z, weight, out, R, d, groups, e);
   else if (zf) gated_out<float, at::BFloat16>(x, z, weight, out, R, d, groups, e);

@@ -22,7 +22,10 @@
 //          W[n, k] = e2m1(code) * e4m3(scale[n, k/16]) * mult          (mult: ModelOpt's weight_scale_2,
 //                                                                       or 1 / compressed-tensors' global)
 //   MXFP4  codes as NVFP4, scales uint8 [N, K/32] (E8M0): W[n, k] = e2m1(code) * 2^(scale[n, k/32] - 127)
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h (half the compile)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -106,13 +109,13 @@ struct Tables {
 };
 const Tables kTables;
 
-void check_x(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kFloat ||
-              (x.scalar_type() == torch::kBFloat16 && bf16_inputs())), "x must be [R, K] float32 (or bfloat16 "
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat ||
+              (x.scalar_type() == at::kBFloat16 && bf16_inputs())), "x must be [R, K] float32 (or bfloat16 "
               "where AVX512_BF16 and AVX512_VBMI were compiled)");
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k_per_row) {
+void check(const at::Tensor& x, const at::Tensor& w, int64_t k_per_row) {
   check_x(x);
   TORCH_CHECK(w.dim() >= 2 && w.element_size() == 1 && w.is_contiguous(),
               "packed data must be contiguous bytes [N, ...] (uint8, or a 1-byte float type)");
@@ -121,14 +124,14 @@ void check(const torch::Tensor& x, const torch::Tensor& w, int64_t k_per_row) {
 }
 
 // The bytes of a packed tensor of any 1-byte dtype (uint8 codes, float8 E4M3 / E8M0 scales), as `check` took it
-inline const uint8_t* bytes_of(const torch::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
+inline const uint8_t* bytes_of(const at::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
 
 // out[r, c + p] = x[r, c + element(p)] for each chunk start c, zero past K: x [R, K] (T = float or bf16 bits)
 // laid out as a kernel reads it
 template <typename T, typename Element>
-torch::Tensor reorder(const torch::Tensor& x, int64_t chunk, Element element) {
+at::Tensor reorder(const at::Tensor& x, int64_t chunk, Element element) {
   const int64_t R = x.size(0), K = x.size(1), Kp = (K + chunk - 1) / chunk * chunk;
-  auto out = torch::empty({R, Kp}, x.options());
+  auto out = at::empty({R, Kp}, x.options());
   const T* in = static_cast<const T*>(x.data_ptr());
   T* o = static_cast<T*>(out.data_ptr());
   at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {  // forks only past 16 rows (a prompt)
@@ -145,8 +148,8 @@ torch::Tensor reorder(const torch::Tensor& x, int64_t chunk, Element element) {
 // prepare(x) (which checks x) for each input of a group, once per distinct tensor: the k experts a decoded
 // token chose share one x (one layout, one conversion, not k)
 template <typename Prepare>
-std::vector<torch::Tensor> once_per_input(const std::vector<torch::Tensor>& xs, Prepare prepare) {
-  std::vector<torch::Tensor> out;
+std::vector<at::Tensor> once_per_input(const std::vector<at::Tensor>& xs, Prepare prepare) {
+  std::vector<at::Tensor> out;
   for (size_t g = 0; g < xs.size(); ++g) {
     size_t same = 0;
     while (same < g && !xs[same].is_same(xs[g])) ++same;
@@ -221,7 +224,7 @@ void with_tile(int nt, int rt, F&& f) {
 // group of products, e.g. the k experts a decoded token chose: one fork of the threads instead of k, the
 // threads balanced over the whole group); returns the jobs' outputs `y`
 template <typename Job>
-std::vector<torch::Tensor> parallel_tiles(const std::vector<Job>& jobs) {
+std::vector<at::Tensor> parallel_tiles(const std::vector<Job>& jobs) {
   std::vector<int64_t> first(jobs.size() + 1, 0);
   for (size_t g = 0; g < jobs.size(); ++g) first[g + 1] = first[g] + jobs[g].tiles;
   at::parallel_for(0, first.back(), 4, [&](int64_t begin, int64_t end) {
@@ -231,7 +234,7 @@ std::vector<torch::Tensor> parallel_tiles(const std::vector<Job>& jobs) {
       jobs[g].tile(t - first[g]);
     }
   });
-  std::vector<torch::Tensor> ys;  // each job's output
+  std::vector<at::Tensor> ys;  // each job's output
   for (const auto& job : jobs) ys.push_back(job.y);
   return ys;
 }
@@ -626,22 +629,22 @@ void bf16_tile_avx512(const uint16_t* const* w, int64_t ldw, const float* x, int
 // `vdpbf16ps` on bf16 x where AVX512_BF16 was compiled; otherwise x widened to fp32 once and the weights in
 // registers (`bf16_tile_avx512`, `bf16_rows_avx2`)
 struct Bf16Product {
-  torch::Tensor x, w, y;
+  at::Tensor x, w, y;
   int64_t R, K, N, tiles;
   int nt;
   // x = input(bf16 x) (shared by the products of a group that share x)
-  Bf16Product(const torch::Tensor& x_, const torch::Tensor& w_) : x(x_), w(w_) {
+  Bf16Product(const at::Tensor& x_, const at::Tensor& w_) : x(x_), w(w_) {
     R = x.size(0), K = x.size(1), N = w.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
-    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == torch::kBFloat16 && w.size(1) == K,
+    TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.scalar_type() == at::kBFloat16 && w.size(1) == K,
                 "w must be contiguous bfloat16 [N, ", K, "]");
-    y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+    y = at::empty({R, N}, x.options().dtype(at::kFloat));
   }
-  static torch::Tensor input(const torch::Tensor& x) {
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16, "x must be [R, K] bfloat16");
+  static at::Tensor input(const at::Tensor& x) {
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
 #if defined(HYBRID_BF16_DOT)
     return x;
 #else
-    return x.to(torch::kFloat);
+    return x.to(at::kFloat);
 #endif
   }
   void tile(int64_t t) const {
@@ -676,7 +679,7 @@ struct Bf16Product {
 };
 
 // [xs[g] @ ws[g].T for each g] (each pair its own shapes) in one parallel loop
-std::vector<torch::Tensor> bf16_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& ws) {
+std::vector<at::Tensor> bf16_linear_group(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& ws) {
   TORCH_CHECK(xs.size() == ws.size(), "as many inputs as weights");
   const auto inputs = once_per_input(xs, &Bf16Product::input);
   std::vector<Bf16Product> jobs;
@@ -684,7 +687,7 @@ std::vector<torch::Tensor> bf16_linear_group(const std::vector<torch::Tensor>& x
   return parallel_tiles(jobs);
 }
 
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) { return bf16_linear_group({x}, {w})[0]; }
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w) { return bf16_linear_group({x}, {w})[0]; }
 #endif
 
 // ---------------------------------------------------------------------------------------------- FP8
@@ -770,28 +773,28 @@ void fp8_tile_rows(int nt, int rt, const uint8_t* const* w, int64_t ldw, const v
 // One product x [R, K] @ W.T with W FP8 q [N, K] and its scales -> y [R, N] fp32, tile by tile.
 // granularity 0: per tensor, 1: per channel, 2: per block of `block` x `block`
 struct Fp8Product {
-  torch::Tensor xs, q, scale, y;  // xs: x as the tiles read it (fp32, or bf16 in FP8 chunk order)
+  at::Tensor xs, q, scale, y;  // xs: x as the tiles read it (fp32, or bf16 in FP8 chunk order)
   int64_t R, K, N, tiles, granularity, block, span, block_cols;
   int nt;
   bool bf16;
   // x [R, K] as given (checked), xs = input(x) (shared by the products of a group that share x)
-  Fp8Product(const torch::Tensor& x, const torch::Tensor& xs_, const torch::Tensor& q_, const torch::Tensor& scale_,
+  Fp8Product(const at::Tensor& x, const at::Tensor& xs_, const at::Tensor& q_, const at::Tensor& scale_,
              int64_t granularity_, int64_t block_)
       : xs(xs_), q(q_), scale(scale_), granularity(granularity_), block(block_) {
     R = x.size(0), K = x.size(1), N = q.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
     check(x, q, K);
     span = granularity == 2 ? block : K, block_cols = (K + block - 1) / block;
     const int64_t scales = granularity == 0 ? 1 : granularity == 1 ? N : (N + block - 1) / block * block_cols;
-    TORCH_CHECK(scale.scalar_type() == torch::kFloat && scale.is_contiguous() && scale.numel() == scales,
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == scales,
                 "scale must be contiguous float32 with ", scales, " values, got ", scale.numel());
-    bf16 = xs.scalar_type() == torch::kBFloat16;
-    y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+    bf16 = xs.scalar_type() == at::kBFloat16;
+    y = at::empty({R, N}, x.options().dtype(at::kFloat));
   }
   // x as the tiles read it: fp32 as it is, bf16 in FP8 chunk order (in fp32 where blocks cut a bf16 chunk)
-  static torch::Tensor input(const torch::Tensor& x, int64_t granularity, int64_t block) {
+  static at::Tensor input(const at::Tensor& x, int64_t granularity, int64_t block) {
     check_x(x);
-    if (x.scalar_type() != torch::kBFloat16) return x;
-    if (granularity == 2 && block % 64) return x.to(torch::kFloat);  // blocks that cut a bf16 chunk: fp32 products
+    if (x.scalar_type() != at::kBFloat16) return x;
+    if (granularity == 2 && block % 64) return x.to(at::kFloat);  // blocks that cut a bf16 chunk: fp32 products
 #if defined(HYBRID_BF16_DOT)
     return reorder<uint16_t>(x, kFp8Chunk, fp8_element);
 #else
@@ -827,19 +830,19 @@ struct Fp8Product {
 };
 
 // [xs[g] @ W_g.T for each g] in one parallel loop, W_g = (qs[g], scales[g]) in one FP8 layout
-std::vector<torch::Tensor> fp8_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& qs,
-                                            const std::vector<torch::Tensor>& scales, int64_t granularity,
-                                            int64_t block) {
+std::vector<at::Tensor> fp8_linear_group(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& qs,
+                                         const std::vector<at::Tensor>& scales, int64_t granularity,
+                                         int64_t block) {
   TORCH_CHECK(xs.size() == qs.size() && qs.size() == scales.size(), "as many inputs as weights and scales");
   const auto inputs =
-      once_per_input(xs, [&](const torch::Tensor& x) { return Fp8Product::input(x, granularity, block); });
+      once_per_input(xs, [&](const at::Tensor& x) { return Fp8Product::input(x, granularity, block); });
   std::vector<Fp8Product> jobs;
   for (size_t g = 0; g < xs.size(); ++g) jobs.emplace_back(xs[g], inputs[g], qs[g], scales[g], granularity, block);
   return parallel_tiles(jobs);
 }
 
-torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scale, int64_t granularity,
-                         int64_t block) {
+at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t granularity,
+                      int64_t block) {
   return fp8_linear_group({x}, {q}, {scale}, granularity, block)[0];
 }
 
@@ -847,7 +850,7 @@ torch::Tensor fp8_linear(const torch::Tensor& x, const torch::Tensor& q, const t
 #if defined(__AVX512F__)
 // fp32 x is first laid out per 128-element chunk as 8 vectors of 16: lane d of vector k holds element 8d + k,
 // the nibble k of the 32-bit word d of the chunk's 64 code bytes (K padded to a multiple of 128 with zeros)
-torch::Tensor fp4_fp32_layout(const torch::Tensor& x) {
+at::Tensor fp4_fp32_layout(const at::Tensor& x) {
   return reorder<float>(x, 128, [](int64_t p) { return 8 * (p % 16) + p / 16; });
 }
 
@@ -882,7 +885,7 @@ inline __m512 e8m0_chunk_scales(const uint8_t* p, int64_t n, __m128i& seen_min, 
 #else
 // fp32 x is first laid out per 32-element chunk as its 16 even elements then its 16 odd ones, the order in
 // which the low and high nibbles of 16 packed bytes come out (K padded to a multiple of 32 with zeros).
-torch::Tensor split_even_odd(const torch::Tensor& x) {
+at::Tensor split_even_odd(const at::Tensor& x) {
   return reorder<float>(x, 32, [](int64_t p) { return 2 * (p % 16) + p / 16; });
 }
 #endif
@@ -998,14 +1001,14 @@ void fp4_tile_rows(int nt, int rt, const Fp4Rows& w, const void* x, bool bf16, i
 // group 16 with E4M3 scales (NVFP4) or 32 with E8M0 scales (MXFP4); `mult` multiplies every weight
 struct Fp4Product {
   // xs: x as the tiles read it (fp32 in fp4_fp32_layout's or split_even_odd's order, bf16 in FP4 chunk order)
-  torch::Tensor xs, codes, scales, y;
+  at::Tensor xs, codes, scales, y;
   int64_t R, K, N, G, tiles, group;
   int nt;
   bool bf16, e8m0_scales;
   float mult;
   // x [R, K] as given (checked), xs = input(x) (shared by the products of a group that share x)
-  Fp4Product(const torch::Tensor& x, const torch::Tensor& xs_, const torch::Tensor& codes_,
-             const torch::Tensor& scales_, int64_t group_, bool e8m0_scales_, float mult_)
+  Fp4Product(const at::Tensor& x, const at::Tensor& xs_, const at::Tensor& codes_,
+             const at::Tensor& scales_, int64_t group_, bool e8m0_scales_, float mult_)
       : xs(xs_), codes(codes_), scales(scales_), group(group_), e8m0_scales(e8m0_scales_), mult(mult_) {
     R = x.size(0), K = x.size(1), N = codes.size(0), nt = tile_rows(R), tiles = (N + nt - 1) / nt;
     TORCH_CHECK(K % 16 == 0 && (group == 16 || group == 32) && K % group == 0, "K must be a multiple of the group");
@@ -1013,13 +1016,13 @@ struct Fp4Product {
     G = K / group;
     TORCH_CHECK(scales.element_size() == 1 && scales.is_contiguous() && scales.dim() >= 1 && scales.size(0) == N &&
                 scales.numel() == N * G, "scales must be contiguous bytes [N, K / group]");
-    bf16 = xs.scalar_type() == torch::kBFloat16;
-    y = torch::empty({R, N}, x.options().dtype(torch::kFloat));
+    bf16 = xs.scalar_type() == at::kBFloat16;
+    y = at::empty({R, N}, x.options().dtype(at::kFloat));
   }
-  static torch::Tensor input(const torch::Tensor& x) {
+  static at::Tensor input(const at::Tensor& x) {
     check_x(x);
 #if defined(HYBRID_BF16_DOT)
-    if (x.scalar_type() == torch::kBFloat16) return reorder<uint16_t>(x, kFp4Chunk, fp4_element);
+    if (x.scalar_type() == at::kBFloat16) return reorder<uint16_t>(x, kFp4Chunk, fp4_element);
 #endif
 #if defined(__AVX512F__)
     return fp4_fp32_layout(x);
@@ -1052,17 +1055,17 @@ struct Fp4Product {
 
 // The multiplier of every weight from an NVFP4 global scale g (one float32 value): g, or 1 / g when
 // `divisor` (compressed-tensors' global divides, ModelOpt's multiplies; 1 / g taken in double, then rounded)
-float global_mult(const torch::Tensor& g, bool divisor) {
-  TORCH_CHECK(g.numel() == 1 && g.scalar_type() == torch::kFloat, "the global scale must be one float32 value");
+float global_mult(const at::Tensor& g, bool divisor) {
+  TORCH_CHECK(g.numel() == 1 && g.scalar_type() == at::kFloat, "the global scale must be one float32 value");
   const float v = *g.data_ptr<float>();
   return divisor ? static_cast<float>(1.0 / static_cast<double>(v)) : v;
 }
 
 // [xs[g] @ W_g.T for each g] in one parallel loop, W_g = (codes[g], scales[g], globals[g]) in one FP4 format;
 // `globals` empty: every multiplier 1 (MXFP4)
-std::vector<torch::Tensor> fp4_linear_group(const std::vector<torch::Tensor>& xs, const std::vector<torch::Tensor>& codes,
-                                            const std::vector<torch::Tensor>& scales, int64_t group, bool e8m0_scales,
-                                            const std::vector<torch::Tensor>& globals, bool divisor) {
+std::vector<at::Tensor> fp4_linear_group(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& codes,
+                                         const std::vector<at::Tensor>& scales, int64_t group, bool e8m0_scales,
+                                         const std::vector<at::Tensor>& globals, bool divisor) {
   TORCH_CHECK(xs.size() == codes.size() && codes.size() == scales.size() &&
               (globals.empty() || globals.size() == xs.size()), "as many inputs as weights, scales and global scales");
   const auto inputs = once_per_input(xs, &Fp4Product::input);
@@ -1073,8 +1076,8 @@ std::vector<torch::Tensor> fp4_linear_group(const std::vector<torch::Tensor>& xs
   return parallel_tiles(jobs);
 }
 
-torch::Tensor fp4_linear(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scales, int64_t group,
-                         bool e8m0_scales, const std::vector<torch::Tensor>& globals, bool divisor) {
+at::Tensor fp4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, int64_t group,
+                      bool e8m0_scales, const std::vector<at::Tensor>& globals, bool divisor) {
   return fp4_linear_group({x}, {codes}, {scales}, group, e8m0_scales, globals, divisor)[0];
 }
 
