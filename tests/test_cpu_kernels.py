@@ -306,11 +306,12 @@ def portable_builds():
 
 def test_the_portable_builds_equal_the_dequantized_product_too():
     """The paths a CPU without AVX-512 runs (compiled here without it), every format, fp32 and bf16, tiles of
-    8 x 1 and 4 x 1..4 (1, 3, 5 rows), K = 96 (a partial FP8 step of 64) and 100 (not a multiple of 16)."""
+    8 x 1 and 4 x 1..4 (1, 3, 5 rows), K = 96 (a partial FP8 step of 64), 100 (not a multiple of 16) and, for
+    NVFP4, 112 (a half FP4 step of 32 at the end)."""
     for path, ext in portable_builds():
         assert ext is not None and not ext.avx512() and not ext.bf16_inputs() and ext.path() == path
         for name, fmt in sorted(FORMATS.items()):
-            for in_f in (96, 100) if fmt.codec.name == "fp8" else (96,):
+            for in_f in (96, 100) if fmt.codec.name == "fp8" else (96, 112) if fmt.codec.group == 16 else (96,):
                 q = quantized(fmt, 37, in_f, seed=5)
                 for rows in (1, 3, 5):
                     for dtype in (torch.float32, torch.bfloat16):

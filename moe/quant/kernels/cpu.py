@@ -9,7 +9,7 @@ weight up to the order of the fp32 sums (tests/test_cpu_kernels.py, at Nano's wi
 Four paths, chosen at compile time by this CPU's features (`module().path()` names the one built):
 "avx512-bf16" (AVX512_BF16 + AVX512_VBMI: bf16 inputs stay bf16, exact bf16 dot products into fp32 sums),
 "avx512f" (fp32 FMAs on 16 lanes), "avx2-fma" (AVX2 + FMA + F16C without AVX-512, most desktop and laptop
-CPUs: E4M3 decoded through fp16, E2M1 through an 8-entry permute, fp32 FMAs on 8 lanes) and "scalar" (plain
+CPUs: E4M3 decoded through fp16, E2M1 through a byte table and fp16, fp32 FMAs on 8 lanes) and "scalar" (plain
 loops, table lookups) elsewhere; inputs are fp32 on all but the first.
 
 The extension is compiled on first use (never at import; a message says so; about 30 s), with -O3

@@ -11,8 +11,8 @@
 //     bf16 weights widened to fp32 by a shift, 16 at a time (on such CPUs oneDNN's bf16 products, emulated,
 //     read a weight at a fifth of this speed);
 //   - "avx2-fma": AVX2 + FMA + F16C, no AVX-512 (most desktop and laptop CPUs; fp32 inputs): E4M3 decoded
-//     through fp16 (`vcvtph2ps`), E2M1 by an 8-entry `vpermps` table, 8-wide fp32 FMAs; bf16 weights (the
-//     plain form of moe/quant/kernels/bf16.py) widened to fp32 by a shift, bf16 inputs widened once;
+//     through fp16 (`vcvtph2ps`), E2M1 too (its fp16 high byte from a `pshufb` table), 8-wide fp32 FMAs; bf16
+//     weights (the plain form of moe/quant/kernels/bf16.py) widened to fp32 by a shift, bf16 inputs widened once;
 //   - "scalar": plain loops elsewhere (table lookups; what the compiler makes of them).
 //
 // Formats (the layouts of moe/quant/fp8.py, nvfp4.py, mxfp4.py):
@@ -496,38 +496,61 @@ void fp8_rows_avx2(const uint8_t* const* w, int64_t next, const float* x, int64_
     mark_nan_rows(w, JB, RT, len16, part);
 }
 
+// The fp16 bit patterns of the 16 E2M1 codes have a zero low byte (+-0, 0.5, 1, 1.5, 2, 3, 4, 6: at most 2
+// significant bits): one `pshufb` of this table turns 16 codes into the high bytes of their fp16 forms.
+alignas(16) constexpr uint8_t kE2M1Fp16High[16] = {0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46,
+                                                   0x80, 0xB8, 0xBC, 0xBE, 0xC0, 0xC2, 0xC4, 0xC6};
+
 // part[j][r] = sum over the row of x . (e2m1(codes) * scale(block)), for JB weight rows, x split even / odd
-// (`split_even_odd`). Steps of 8 code bytes (16 elements, one NVFP4 block, half an MXFP4 one): their low
-// nibbles are 8 even elements, their high ones the 8 odd ones after them; the magnitude comes from an 8-entry
-// `vpermps` table (it reads the index's low 3 bits), the sign bit is moved to bit 31. Each decoded weight is
-// multiplied by its block's scale (exact: at most 3 + 4 significant bits) as in the AVX-512 path.
+// (`split_even_odd`). Steps of 16 code bytes (32 elements: two NVFP4 blocks, one MXFP4 one): their low nibbles
+// are the 16 even elements, their high ones the 16 odd ones; each nibble becomes its fp16 high byte by a
+// `pshufb` of kE2M1Fp16High, a zero low byte is put beside it (`punpck*bw`) and `vcvtph2ps` widens 8 at a
+// time (exact). Each decoded weight is multiplied by its block's scale (exact: at most 3 + 4 significant bits)
+// as in the AVX-512 path. A K that is an odd multiple of 16 ends with a step of 8 bytes decoded by an 8-entry
+// `vpermps` table (it reads the index's low 3 bits; the sign bit is moved to bit 31).
 template <int JB, int RT>
 void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, int64_t next_codes,
                    int64_t next_scales, const float* xs, int64_t ldx, int64_t K, int64_t group, const float* table,
                    float (*part)[kTileR]) {
-  const __m256 lut = _mm256_loadu_ps(kE2M1);
-  const __m256i sgn = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  const __m128i high = _mm_load_si128(reinterpret_cast<const __m128i*>(kE2M1Fp16High));
+  const __m128i nibble = _mm_set1_epi8(0x0F), zero = _mm_setzero_si128();
   __m256 acc[JB][RT];
   for (int j = 0; j < JB; ++j)
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_setzero_ps();
-  for (int64_t h = 0; h < K / 16; ++h) {  // K % 16 == 0
-    const float* xe = xs + (h >> 1) * 32 + (h & 1) * 8;  // the 8 even elements; the odd ones 16 further
-    const int64_t blk = group == 16 ? h : h >> 1;
+  const auto fma = [&](int j, const float* x, __m256 w) {  // acc[j][r] += x[r] * w, 8 elements
+    for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx), w, acc[j][r]);
+  };
+  for (int64_t c = 0; c < K / 32; ++c) {
+    const float* xe = xs + c * 32;  // the 16 even elements; the odd ones 16 further
     for (int j = 0; j < JB; ++j) {
-      if ((h & 7) == 0) {
-        prefetch_next_tile(codes[j] + h * 8, next_codes);
-        prefetch_next_tile(scales[j] + blk, next_scales);
+      if ((c & 3) == 0) {
+        prefetch_next_tile(codes[j] + c * 16, next_codes);
+        prefetch_next_tile(scales[j] + c * 32 / group, next_scales);
       }
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes[j] + c * 16));
+      const __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));
+      const __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+      // even / odd elements 0..7 (the first 16 of the 32) and 8..15 (the last 16): the first block and the next
+      const __m256 s0 = _mm256_set1_ps(table[scales[j][c * 32 / group]]);
+      const __m256 s1 = group == 16 ? _mm256_set1_ps(table[scales[j][c * 2 + 1]]) : s0;
+      fma(j, xe, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even)), s0));
+      fma(j, xe + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, even)), s1));
+      fma(j, xe + 16, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd)), s0));
+      fma(j, xe + 24, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, odd)), s1));
+    }
+  }
+  if (K % 32) {  // 8 code bytes left (NVFP4, K an odd multiple of 16: one block): their 8 even and 8 odd elements
+    const __m256 lut = _mm256_loadu_ps(kE2M1);
+    const __m256i sgn = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+    const int64_t h = K / 16 - 1;
+    const float* xe = xs + (h >> 1) * 32;
+    for (int j = 0; j < JB; ++j) {
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[j] + h * 8)));
-      const __m256 s = _mm256_set1_ps(table[scales[j][blk]]);
-      const __m256 lo = _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(lut, v),
-                                                   _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 28), sgn))), s);
-      const __m256 hi = _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(lut, _mm256_srli_epi32(v, 4)),
-                                                   _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24), sgn))), s);
-      for (int r = 0; r < RT; ++r) {
-        acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xe + r * ldx), lo, acc[j][r]);
-        acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(xe + r * ldx + 16), hi, acc[j][r]);
-      }
+      const __m256 s = _mm256_set1_ps(table[scales[j][h * 16 / group]]);
+      fma(j, xe, _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(lut, v),
+                               _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 28), sgn))), s));
+      fma(j, xe + 16, _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(lut, _mm256_srli_epi32(v, 4)),
+                                    _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24), sgn))), s));
     }
   }
   for (int j = 0; j < JB; ++j)
