@@ -506,8 +506,7 @@ alignas(16) constexpr uint8_t kE2M1Fp16High[16] = {0x00, 0x38, 0x3C, 0x3E, 0x40,
 // are the 16 even elements, their high ones the 16 odd ones; each nibble becomes its fp16 high byte by a
 // `pshufb` of kE2M1Fp16High, a zero low byte is put beside it (`punpck*bw`) and `vcvtph2ps` widens 8 at a
 // time (exact). Each decoded weight is multiplied by its block's scale (exact: at most 3 + 4 significant bits)
-// as in the AVX-512 path. A K that is an odd multiple of 16 ends with a step of 8 bytes decoded by an 8-entry
-// `vpermps` table (it reads the index's low 3 bits; the sign bit is moved to bit 31).
+// as in the AVX-512 path. A K that is an odd multiple of 16 ends with a step of 8 bytes, decoded the same way.
 template <int JB, int RT>
 void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, int64_t next_codes,
                    int64_t next_scales, const float* xs, int64_t ldx, int64_t K, int64_t group, const float* table,
@@ -540,17 +539,15 @@ void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, in
     }
   }
   if (K % 32) {  // 8 code bytes left (NVFP4, K an odd multiple of 16: one block): their 8 even and 8 odd elements
-    const __m256 lut = _mm256_loadu_ps(kE2M1);
-    const __m256i sgn = _mm256_set1_epi32(static_cast<int>(0x80000000u));
     const int64_t h = K / 16 - 1;
     const float* xe = xs + (h >> 1) * 32;
     for (int j = 0; j < JB; ++j) {
-      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[j] + h * 8)));
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes[j] + h * 8));
       const __m256 s = _mm256_set1_ps(table[scales[j][h * 16 / group]]);
-      fma(j, xe, _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(lut, v),
-                               _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 28), sgn))), s));
-      fma(j, xe + 16, _mm256_mul_ps(_mm256_or_ps(_mm256_permutevar8x32_ps(lut, _mm256_srli_epi32(v, 4)),
-                                    _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24), sgn))), s));
+      const __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));
+      const __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+      fma(j, xe, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even)), s));
+      fma(j, xe + 16, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd)), s));
     }
   }
   for (int j = 0; j < JB; ++j)
