@@ -164,6 +164,9 @@ def prepare(args, source: Path) -> dict:
                 print(f"llama.cpp quantize {name} ...", file=sys.stderr)
                 subprocess.run([args.peer_tool, "quantize", str(bf16), str(path), name], check=True, capture_output=True)
             ggufs[name] = path
+    else:  # ours alone; say why, or the table silently lacks llama.cpp's rows
+        missing = args.peer_tool if not Path(args.peer_tool).exists() else f"{args.llama_python} (llamacpp-peer setup)"
+        print(f"note: llama.cpp left out: {missing} not found (--peer-tool / PEER_HOME)", file=sys.stderr)
     return {"quantize": record, "gguf": ggufs}
 
 

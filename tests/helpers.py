@@ -150,6 +150,18 @@ def our_greedy(model, ids: torch.Tensor, n: int, attention_mask=None) -> tuple[t
     return torch.stack(tokens, 1), torch.stack(steps, 1)
 
 
+def greedy_all_logits(model, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy decoding on our cache; every position's logits: (batch, prompt + steps, vocab), float32, on the CPU.
+
+    Unlike `our_greedy` (the steps' last-position logits only), the prompt's logits are kept too, so a
+    comparison covers the chunked prefill as well as the decode steps."""
+    cache = model.new_cache(ids.shape[0])
+    out = [model(ids, cache)]
+    for _ in range(steps):
+        out.append(model(out[-1][:, -1:].argmax(-1), cache))
+    return torch.cat(out, dim=1).float().cpu()
+
+
 def assert_same_greedy(ours: torch.Tensor, ref: torch.Tensor, ref_logits: torch.Tensor, tie_gap: float = 1e-4):
     """Greedy token sequences must be identical; the only excuse for a divergence is a genuine near-tie
     (top-2 gap < tie_gap) in the reference logits at the first differing step."""

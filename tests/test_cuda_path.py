@@ -17,6 +17,7 @@ import hybrid
 import hybrid.ops as ops
 from hybrid.ops import conv1d as ref_conv
 from hybrid.ops import ssd as ref_ssd
+from helpers import greedy_all_logits
 from tiny_checkpoint import write_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -91,21 +92,13 @@ def checkpoint(directory, pattern):
                             n_groups=2, ssm_state_size=16, chunk_size=16)
 
 
-def greedy(model, ids, steps):
-    cache = model.new_cache(ids.shape[0])
-    out = [model(ids, cache)]
-    for _ in range(steps):
-        out.append(model(out[-1][:, -1:].argmax(-1), cache))
-    return torch.cat(out, dim=1).float().cpu()
-
-
 def cpu_and_gpu(directory, pattern):
     """Prompts of 37 tokens (two chunks and a part) in a batch of 2, then 12 greedy steps, fp32, on both."""
     path = checkpoint(directory, pattern)
     ids = torch.randint(5, 320, (2, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = greedy(hybrid.load_model(path, dtype="fp32"), ids, 12)
-        got = greedy(hybrid.load_model(path, dtype="fp32", device="cuda"), ids.cuda(), 12)
+        want = greedy_all_logits(hybrid.load_model(path, dtype="fp32"), ids, 12)
+        got = greedy_all_logits(hybrid.load_model(path, dtype="fp32", device="cuda"), ids.cuda(), 12)
     return got, want
 
 

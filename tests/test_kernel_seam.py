@@ -11,22 +11,13 @@ import torch
 
 import hybrid
 import hybrid.ops as ops
+from helpers import greedy_all_logits
 from tiny_checkpoint import write_checkpoint
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return hybrid.load_model(write_checkpoint(tmp_path_factory.mktemp("seam"), pattern="M*MEM", seed=11))
-
-
-def _greedy_logits(model, ids, steps):
-    cache = model.new_cache(ids.shape[0])
-    out = [model(ids, cache)]
-    token = out[-1][:, -1:].argmax(-1)
-    for _ in range(steps):
-        out.append(model(token, cache))
-        token = out[-1][:, -1:].argmax(-1)
-    return torch.cat(out, dim=1)
 
 
 @pytest.mark.skipif(ops._mamba_ssm() is not None or ops._causal_conv1d() is not None,
@@ -37,11 +28,11 @@ def test_kernel_signatures_give_the_reference_results(model, monkeypatch):
 
     ids = torch.randint(0, 320, (2, 21), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        reference = _greedy_logits(model, ids, 6)
+        reference = greedy_all_logits(model, ids, 6)
         monkeypatch.setattr(ops, "_kernel", lambda t, loader: loader())
         monkeypatch.setattr(ops, "_mamba_ssm", lambda: (tf.mamba2_chunk_scan, tf.mamba2_selective_state_update))
         monkeypatch.setattr(ops, "_causal_conv1d", lambda: tf.causal_conv1d_update)
-        through_seam = _greedy_logits(model, ids, 6)
+        through_seam = greedy_all_logits(model, ids, 6)
     assert torch.allclose(through_seam, reference, atol=1e-4, rtol=0)  # fp32 rounding of a different summation order
 
 

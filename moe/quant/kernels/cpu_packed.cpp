@@ -516,7 +516,7 @@ void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, in
   __m256 acc[JB][RT];
   for (int j = 0; j < JB; ++j)
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_setzero_ps();
-  const auto fma = [&](int j, const float* x, __m256 w) {  // acc[j][r] += x[r] * w, 8 elements
+  const auto accumulate = [&](int j, const float* x, __m256 w) {  // acc[j][r] += x[r] * w, 8 elements
     for (int r = 0; r < RT; ++r) acc[j][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * ldx), w, acc[j][r]);
   };
   for (int64_t c = 0; c < K / 32; ++c) {
@@ -532,10 +532,10 @@ void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, in
       // even / odd elements 0..7 (the first 16 of the 32) and 8..15 (the last 16): the first block and the next
       const __m256 s0 = _mm256_set1_ps(table[scales[j][c * 32 / group]]);
       const __m256 s1 = group == 16 ? _mm256_set1_ps(table[scales[j][c * 2 + 1]]) : s0;
-      fma(j, xe, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even)), s0));
-      fma(j, xe + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, even)), s1));
-      fma(j, xe + 16, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd)), s0));
-      fma(j, xe + 24, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, odd)), s1));
+      accumulate(j, xe, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even)), s0));
+      accumulate(j, xe + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, even)), s1));
+      accumulate(j, xe + 16, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd)), s0));
+      accumulate(j, xe + 24, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpackhi_epi8(zero, odd)), s1));
     }
   }
   if (K % 32) {  // 8 code bytes left (NVFP4, K an odd multiple of 16: one block): their 8 even and 8 odd elements
@@ -546,8 +546,8 @@ void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, in
       const __m256 s = _mm256_set1_ps(table[scales[j][h * 16 / group]]);
       const __m128i even = _mm_shuffle_epi8(high, _mm_and_si128(b, nibble));
       const __m128i odd = _mm_shuffle_epi8(high, _mm_and_si128(_mm_srli_epi16(b, 4), nibble));
-      fma(j, xe, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even)), s));
-      fma(j, xe + 16, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd)), s));
+      accumulate(j, xe, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, even)), s));
+      accumulate(j, xe + 16, _mm256_mul_ps(_mm256_cvtph_ps(_mm_unpacklo_epi8(zero, odd)), s));
     }
   }
   for (int j = 0; j < JB; ++j)
