@@ -418,3 +418,25 @@ def test_a_build_killed_midway_does_not_hang_the_next_start():
         lock.unlink(missing_ok=True)
     assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
     assert not stale
+
+
+def test_a_start_with_a_bare_path_uses_the_built_kernel():
+    """`.venv/bin/hybrid` run without the environment activated (or a subprocess given a bare PATH) sees no
+    `ninja` of the project's environment: torch then built with another ninja from PATH (a rebuild from scratch
+    whenever an older version followed a newer one on the cache directory) or with none (no kernel). `build`
+    puts the ninja package's directory first while it builds: the kernel loads, compiled once, not again."""
+    import subprocess
+    import sys
+
+    from hybrid.ops import cpu as ops
+
+    built = ops.norm_module()
+    if built is None:
+        pytest.skip("the norm kernel cannot be built here")
+    so = Path(built.__file__)
+    before = so.stat().st_mtime_ns
+    done = subprocess.run([sys.executable, "-c", "import os; from hybrid.ops import cpu; "
+                           "print(cpu.norm_module() is not None, os.environ['PATH'])"],
+                          capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+    assert done.returncode == 0 and done.stdout.split() == ["True", "/usr/bin:/bin"], done.stderr  # PATH restored
+    assert "compiling" not in done.stderr and so.stat().st_mtime_ns == before
