@@ -67,23 +67,47 @@ def test_reduced_study_hybrid_recalls_where_pure_mamba2_cannot(rs, tmp_path):
 
     Each model trains once on a mixture of 4, 8 and 16 pairs (seq_len 64) and is scored at each count.
     Measured on 2 cores: the hybrid reaches about 1.00 by step 300 of 600, Mamba-2 stays near 0.1 at 16
-    pairs; each run takes about 40 s (attention about 20 s).
+    pairs; each run takes about 40 s (on the slowest CI machine, 2 cores of an AMD EPYC, about 100 s).
+    The attention-only architecture is the study's third line but not this claim: it gets its own short
+    run below (its records and CSV rows have no state size), not 600 steps of CI time.
     """
     out = tmp_path / "study"
-    args = ["--pairs", "4", "8", "16", "--state-sizes", "4", "--archs", "hybrid", "mamba2", "attention",
+    args = ["--pairs", "4", "8", "16", "--state-sizes", "4", "--archs", "hybrid", "mamba2",
             "--d-model", "64", "--seq-len", "64", "--vocab-size", "128", "--steps", "600", "--batch-size", "64",
             "--lr", "3e-3", "--eval-examples", "500", "--seed", "0", "--threads", "2", "--out", str(out)]
     assert rs.main(args) == 0
 
-    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert len(records) == 3 * 3
+    records = read_records(out)
+    assert len(records) == 2 * 3
     acc = {(r["arch"], r["pairs"]): r["accuracy"] for r in records}
     print("reduced MQAR study:", {f"{a}@{p}": v for (a, p), v in acc.items()},
           "seconds:", {r["arch"]: r["seconds"] for r in records})
     assert acc["hybrid", 16] >= 0.9, records
     assert acc["hybrid", 16] - acc["mamba2", 16] >= 0.5, records
-    assert all(r["state_size"] == (None if r["arch"] == "attention" else 4) for r in records)
+    assert all(r["state_size"] == 4 for r in records)
+    assert_csv_matches(out, records)
+    png = (out / "accuracy.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
 
+
+def test_attention_runs_have_no_state_size(rs, tmp_path):
+    out = tmp_path / "attention"
+    args = ["--pairs", "4", "8", "--state-sizes", "4", "16", "--archs", "attention", "--d-model", "64",
+            "--seq-len", "32", "--vocab-size", "64", "--steps", "4", "--batch-size", "8", "--eval-examples", "16",
+            "--seed", "0", "--threads", "2", "--out", str(out)]
+    assert rs.main(args) == 0
+    records = read_records(out)
+    # one run for the architecture whatever the state sizes (it has none), scored at each pair count
+    assert [(r["arch"], r["pairs"], r["state_size"]) for r in records] == [("attention", 4, None), ("attention", 8, None)]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and r["steps"] == 4 for r in records)
+    assert_csv_matches(out, records)
+
+
+def read_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+def assert_csv_matches(out: Path, records: list[dict]) -> None:
     with (out / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(records)
@@ -92,6 +116,3 @@ def test_reduced_study_hybrid_recalls_where_pure_mamba2_cannot(rs, tmp_path):
         assert row["state_size"] == ("" if record["state_size"] is None else str(record["state_size"]))
         assert int(row["params"]) == record["params"] and int(row["steps"]) == record["steps"]
         assert float(row["accuracy"]) == record["accuracy"] and float(row["seconds"]) == record["seconds"]
-
-    png = (out / "accuracy.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 5000
