@@ -16,7 +16,8 @@ import torch
 from hybrid.batch import check_max_new_tokens, check_prompts, left_pad
 from hybrid.cache import RESERVE_AHEAD
 from hybrid.model import HybridForCausalLM
-from hybrid.sampling import Completion, Sampling, SamplingParams, apply_penalties, check_rank_draws, for_call, sample
+from hybrid.sampling import (Completion, Sampling, SamplingParams, apply_penalties, check_rank_draws, for_call,
+                             penalty_states, sample)
 from hybrid.speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
@@ -104,7 +105,8 @@ def generate_ids(
         logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
                        logits_to_keep=1)
     out: list[list[int]] = [[] for _ in range(B)]
-    token = sample(apply_penalties(logits[:, -1], sampling, prompts, out), sampling)
+    penalties = penalty_states(sampling, prompts, logits.device)  # None without penalties
+    token = sample(apply_penalties(logits[:, -1], sampling, prompts, out, penalties), sampling)
     prefill_done = time.perf_counter()
 
     finished = torch.zeros(B, dtype=torch.bool, device=device)
@@ -125,7 +127,7 @@ def generate_ids(
             break
         positions.check(L + step + 1)
         logits = model(token[:, None], cache)
-        token = sample(apply_penalties(logits[:, -1], sampling, prompts, out), sampling)
+        token = sample(apply_penalties(logits[:, -1], sampling, prompts, out, penalties), sampling)
     end = time.perf_counter()
     return [
         Completion(out[row], reasons[row], len(prompts[row]), prefill_done - start, end - prefill_done)

@@ -9,7 +9,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 
 from hybrid.generate import generate_ids
 from hybrid.prefix_cache import PrefixCache
-from hybrid.sampling import SamplingParams, apply_penalties
+from hybrid.sampling import PenaltyState, SamplingParams, apply_penalties, penalty_states
 from hybrid.serving.engine import Engine
 from tiny_checkpoint import write_checkpoint
 
@@ -73,6 +73,31 @@ def test_each_row_is_penalized_by_its_own_parameters_as_alone_and_none_is_the_id
     assert apply_penalties(logits, SamplingParams(), prompts, outputs) is logits
     half = apply_penalties(logits.bfloat16(), SamplingParams(presence_penalty=1.0), prompts, outputs)
     assert half.dtype == torch.float32 and half[0, 9] == logits.bfloat16().float()[0, 9] - 1.0
+
+
+def test_states_kept_across_steps_equal_recounting_bit_for_bit():
+    """The `PenaltyState`s a generation keeps across its steps (the serving engine's and `generate_ids`') give
+    the logits that counting each row's prompt and outputs afresh gives, bit for bit, at every step, whatever
+    mix of penalties the rows have; none is made for an unpenalized row; outputs that shrink are refused."""
+    g = torch.Generator().manual_seed(1)
+    per_row = [SamplingParams(repetition_penalty=1.8, frequency_penalty=0.6, presence_penalty=0.4), SamplingParams(),
+               SamplingParams(repetition_penalty=0.7), SamplingParams(frequency_penalty=-0.5, presence_penalty=1.5)]
+    prompts = [[1, 2, 3, 3], [7], [4, 5, 6, 40], [0, 49]]
+    outputs = [[] for _ in per_row]
+    states = penalty_states(per_row, prompts)
+    assert states[1] is None and all(isinstance(s, PenaltyState) for s in (states[0], states[2], states[3]))
+    for _ in range(30):  # 30 draws of 50 ids: repeats in every row
+        logits = torch.randn(4, V, generator=g) * 3
+        got = apply_penalties(logits, per_row, prompts, outputs, states)
+        assert torch.equal(got, apply_penalties(logits, per_row, prompts, outputs))
+        for out in outputs:
+            out.append(int(torch.randint(V, (1,), generator=g)))
+    assert not torch.equal(got[0], logits[0]) and torch.equal(got[1], logits[1])
+    counted = torch.zeros(V, dtype=torch.long).index_put_((states[3].output_ids,), states[3].output_counts)
+    assert torch.equal(counted, torch.bincount(torch.tensor(outputs[3][:-1]), minlength=V))
+    assert penalty_states(SamplingParams(), prompts) is None
+    with pytest.raises(ValueError, match="only grow"):
+        apply_penalties(logits, per_row, prompts, [out[:3] for out in outputs], states)
 
 
 @pytest.mark.parametrize("kwargs, message", [

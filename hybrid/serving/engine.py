@@ -28,7 +28,7 @@ import torch
 
 from hybrid.batch import check_max_new_tokens, check_prompt
 from hybrid.model import HybridForCausalLM
-from hybrid.sampling import Completion, SamplingParams, apply_penalties, for_call, sample
+from hybrid.sampling import Completion, PenaltyState, SamplingParams, apply_penalties, for_call, sample
 from hybrid.serving.blocks import BlockPool
 from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
 from hybrid.serving import prefix_file
@@ -239,7 +239,8 @@ class Engine:
         if not ends:
             return outputs
         logits = self.model.logits(torch.stack([h for _, h in ends]))
-        tokens = [int(sample(apply_penalties(logits[j:j + 1], r.sampling, [r.prompt_ids], [r.output_ids]), r.sampling))
+        tokens = [int(sample(apply_penalties(logits[j:j + 1], r.sampling, [r.prompt_ids], [r.output_ids],
+                                             [self._penalties(r, logits)]), r.sampling))
                   for j, (r, _) in enumerate(ends)]
         logprobs = token_logprobs(logits, tokens, [r.sampling.logprobs for r, _ in ends])
         now = time.perf_counter()
@@ -277,6 +278,13 @@ class Engine:
         return prefix_file.load(self._require_prefix(), self.slots, path, self.model.config.vocab_size,
                                 hidden_size=self.model.config.hidden_size,
                                 grow=self.scheduler.grow)
+
+    @staticmethod
+    def _penalties(r: Request, logits: torch.Tensor) -> PenaltyState | None:
+        """Request `r`'s penalty statistics, made at its first sampled token (None when not penalized)."""
+        if r.penalties is None and r.sampling.penalized:
+            r.penalties = PenaltyState(r.prompt_ids, logits.device)
+        return r.penalties
 
     def _require_prefix(self) -> PrefixCaching:
         if self.prefix is None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid.sampling import SamplingParams
+from hybrid.sampling import PenaltyState, SamplingParams
 
 
 class Status(enum.Enum):
@@ -44,6 +44,8 @@ class Request:
     # the kept final hidden state of its prompt's last token, when the prefix cache held the whole prompt
     # (the first token is sampled from it with no forward); None otherwise and once used
     resume_hidden: torch.Tensor | None = field(default=None, repr=False)
+    # a penalized request's token statistics (`hybrid.sampling.PenaltyState`), made at its first sampled token
+    penalties: PenaltyState | None = field(default=None, repr=False)
 
     @property
     def all_ids(self) -> list[int]:
