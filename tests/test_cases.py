@@ -61,8 +61,9 @@ def assert_close64(ours: torch.Tensor, ref: torch.Tensor, rtol=1e-5, what=""):
 
 def record_ops(monkeypatch):
     """Record the arguments our mixer passes to ssd_scan / ssd_step (x, dt, A, B, C). The decode step runs
-    its PyTorch specification (`hybrid.ops.decode`, whose SSD step is recorded); the fused CPU kernel is held
-    to that specification in tests/test_mamba_kernel.py."""
+    its PyTorch specification (`hybrid.ops.decode`, whose SSD step is recorded) and a prefill the PyTorch
+    prefill (the prompt-chunk kernel is off); the fused CPU kernels are held to those specifications in
+    tests/test_mamba_kernel.py."""
     import hybrid.layers.mamba2 as mamba2
     import hybrid.ops.decode as decode
 
@@ -83,6 +84,7 @@ def record_ops(monkeypatch):
     monkeypatch.setattr(mamba2, "ssd_scan", scan)
     monkeypatch.setattr(mamba2, "ssd_step", step)
     monkeypatch.setattr(mamba2, "mamba_decode_step", decode_step)
+    monkeypatch.setattr(mamba2, "mamba_chunks_fused", lambda *args: None)
     return calls
 
 

@@ -185,12 +185,15 @@ def test_pools_are_allocated_once_and_everything_is_freed(model):
     assert engine.blocks.num_free == 64 and engine.slots.num_free == 4 and not engine.requests
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["prompt-chunk-kernel", "pytorch"])
 @pytest.mark.parametrize("lengths", [[5, 1, 9, 7, 1, 30], [3, 3], [2, 40, 1]])
-def test_prompt_chunks_of_several_sequences_run_batched_as_each_alone(model, lengths):
-    """A packed Mamba forward of decode tokens and prompt chunks of different lengths (the chunks of close
-    lengths run as one right-padded batch on states gathered from their slots) gives every sequence the
-    output and the final conv window and SSM state of the same tokens run alone from its own state; the
-    other slots are untouched. Oracle: the mixer's unpacked forward on one sequence and a copy of its state."""
+def test_prompt_chunks_of_several_sequences_run_batched_as_each_alone(model, lengths, kernel, monkeypatch):
+    """A packed Mamba forward of decode tokens and prompt chunks of different lengths (all chunks in one call
+    of the C++ prompt-chunk kernel on their slot rows; without it, chunks of close lengths as one right-padded
+    batch on states gathered from their slots) gives every sequence the output and the final conv window
+    and SSM state of the same tokens run alone from its own state; the other slots are untouched. Oracle:
+    the mixer's unpacked forward on one sequence and a copy of its state, in PyTorch (the kernel off)."""
+    import hybrid.layers.mamba2 as mamba2
     from hybrid.cache import MambaState
     from hybrid.serving.blocks import BlockPool
     from hybrid.serving.paged_cache import PagedCache, ScheduledSeq
@@ -209,8 +212,12 @@ def test_prompt_chunks_of_several_sequences_run_batched_as_each_alone(model, len
     slot_of = [len(lengths) + 1 - i for i in range(len(lengths))]  # slots in another order than the rows
     cache.schedule([ScheduledSeq(list(range(16)), slot, 3, n) for slot, n in zip(slot_of, lengths)])
     x = torch.randn(1, sum(lengths), config.hidden_size, generator=g)
+    pytorch_prefill = lambda *args: None  # noqa: E731
+    if not kernel:
+        monkeypatch.setattr(mamba2, "mamba_chunks_fused", pytorch_prefill)
     with torch.inference_mode():
         got = mixer(x, cache.begin(1, sum(lengths), None), cache.layer(layer))
+        monkeypatch.setattr(mamba2, "mamba_chunks_fused", pytorch_prefill)
         start = 0
         for slot, n in zip(slot_of, lengths):
             state = MambaState(conv=before[0][0][slot:slot + 1].clone(), ssm=before[0][1][slot:slot + 1].clone())

@@ -7,7 +7,8 @@ mamba-ssm `Mamba2`, transformers `NemotronHMamba2Mixer`. Forward:
 2. xBC = silu(causal_conv1d(xBC)) continuing the cached conv window; split as [x: d_inner | B | C]
 3. dt = clamp(softplus(dt + dt_bias), *time_step_limit); A = -exp(A_log); fp32
 4. y = SSD(x, dt, A, B, C) + D * x with an fp32 state [nh, P, N] (chunked for several tokens, one
-   recurrent step for a single token on a cache)
+   recurrent step for a single token on a cache; on the CPU with a cache, steps 2-4 of several tokens run
+   in the C++ prompt-chunk kernel, the recurrence token by token: `hybrid.ops.mamba_chunks_fused`)
 5. out = out_proj(gated_grouped_rmsnorm(y, z))
 
 The clamp uses `time_step_limit` only, on every path (tests/test_cases.py, case 1). Padded positions get dt = 0 (no
@@ -23,7 +24,7 @@ from torch import nn
 from hybrid.cache import MambaState, StepContext
 from hybrid.config import HybridConfig
 from hybrid.layers.norm import GatedRMSNorm
-from hybrid.ops import causal_conv1d, conv_step, mamba_decode_step, ssd_scan, ssd_step
+from hybrid.ops import causal_conv1d, conv_step, mamba_chunks_fused, mamba_decode_step, ssd_scan, ssd_step
 
 
 def pad_groups(segments: list[tuple[int, int, int]], max_padding: float = 2.0) -> list[list[tuple[int, int, int]]]:
@@ -94,19 +95,38 @@ class Mamba2Mixer(nn.Module):
                                  -torch.exp(self.A_log.float()), self.D, self.time_step_limit, self.d_inner,
                                  self.n_groups)
 
+    def _fused_chunks(self, xBC, dt, conv, ssm, index, starts, lengths) -> torch.Tensor | None:
+        """Prompt chunks of sequences whose states are rows `index` of `conv` / `ssm` (in place), packed in
+        xBC [L, conv_dim], dt [L, nh] at rows starts[s] .. starts[s] + lengths[s] - 1, through one call of
+        the C++ kernel -> y [L, nh, p] fp32 with the D skip; None where there is no kernel (the caller then
+        runs the PyTorch prefill: `hybrid.ops.mamba_chunks_fused`)."""
+        return mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, self.conv1d.weight[:, 0],
+                                  self.conv1d.bias, self.dt_bias, -torch.exp(self.A_log.float()), self.D,
+                                  self.time_step_limit, self.d_inner, self.n_groups)
+
     def _mix_packed(self, xBC, dt, packed, state) -> torch.Tensor:
         """The recurrences of the packed sequences: every one-token sequence (a decode) in one `_decode`
-        over its slot rows; the prompt chunks of several sequences, grouped by length (`pad_groups`), each
-        group as one right-padded batch (`_mix_chunks`), a chunk alone on a view of its slot."""
+        over its slot rows; the prompt chunks of all other sequences in one `_fused_chunks` call over their
+        slot rows, or without that kernel grouped by length (`pad_groups`), each group as one right-padded
+        batch (`_mix_chunks`), a chunk alone on a view of its slot."""
         segments = list(packed.segments())
         singles = [(s, s0) for s, s0, s1 in segments if s1 - s0 == 1]
+        chunks = [seg for seg in segments if seg[2] - seg[1] > 1]
         ys = {}
         if singles:
             conv, ssm, index = state.rows([s for s, _ in singles])
             at = torch.tensor([s0 for _, s0 in singles], device=xBC.device)
             y = self._decode(xBC[0, at], dt[0, at], conv, ssm, index)
             ys = {s: y[j][None, None] for j, (s, _) in enumerate(singles)}
-        for group in pad_groups([seg for seg in segments if seg[2] - seg[1] > 1]):
+        if chunks:
+            conv, ssm, index = state.rows([s for s, _, _ in chunks])
+            starts = torch.tensor([s0 for _, s0, _ in chunks])
+            lengths = torch.tensor([s1 - s0 for _, s0, s1 in chunks])
+            y = self._fused_chunks(xBC[0], dt[0], conv, ssm, index, starts, lengths)
+            if y is not None:
+                ys.update({s: y[None, s0:s1] for s, s0, s1 in chunks})
+                chunks = []
+        for group in pad_groups(chunks):
             if len(group) == 1:
                 s, s0, s1 = group[0]
                 ys[s] = self._mix(xBC[:, s0:s1], dt[:, s0:s1], None, state.seq(s), False)
@@ -136,6 +156,11 @@ class Mamba2Mixer(nn.Module):
         """Steps 2-4 of the module docstring: xBC [b, T, conv_dim], dt [b, T, nh] (raw) -> y [b, T, nh, p]
         fp32 with the D skip, continuing and updating `state`."""
         b, T, _ = xBC.shape
+        if state is not None and mask is None and not record and T > 1:  # a prefill continuing the cache's rows
+            y = self._fused_chunks(xBC.reshape(b * T, -1), dt.reshape(b * T, -1), state.conv, state.ssm,
+                                   torch.arange(b), torch.arange(b) * T, torch.full((b,), T))
+            if y is not None:
+                return y.view(b, T, self.num_heads, self.head_dim)
         if record:
             xBC, windows = self._conv_recorded(xBC, state)
         else:

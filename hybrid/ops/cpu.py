@@ -2,7 +2,10 @@
 
 - `cpu_mamba.cpp` (`module`): what `hybrid.ops.decode` does with several small PyTorch operations per
   sequence (conv step, dt, SSD step, D skip) in one parallel loop over the sequences' heads, reading and
-  writing each state once, in place in its row of the pool.
+  writing each state once, in place in its row of the pool; and the same for the prompt chunks of several
+  sequences packed in one forward (`mamba_chunks_slots`: the conv, then the SSD recurrence over each chunk's
+  tokens with blocks of the state in vector registers), where the PyTorch prefill runs a chunked scan per
+  chunk or per padded batch of chunks.
 - `cpu_attention.cpp` (`attention_module`): one query per sequence over its keys and values where they lie
   (a dense cache's rows, or a paged cache's pool rows, never gathered into a copy), in one parallel loop
   over the sequences' KV heads.
@@ -28,8 +31,8 @@ def module():
     """The compiled extension, or None (disabled, or it cannot be built)."""
     from moe.quant.kernels.cpu import build
 
-    return build(SOURCE, "hybrid_mamba", what="the Mamba-2 decode kernel (once for this source, torch and CPU; "
-                                              "about 30 s)")
+    return build(SOURCE, "hybrid_mamba", what="the Mamba-2 kernels (once for this source, torch and CPU; about "
+                                              "30 s)")
 
 
 @functools.cache
