@@ -273,27 +273,35 @@ at::Tensor chunks(const at::Tensor& xBC, const at::Tensor& dt, at::Tensor& conv_
   return y;
 }
 
-at::Tensor mamba_step_slots(at::Tensor xBC, at::Tensor dt, at::Tensor conv_pool, at::Tensor conv_w,
-                            c10::optional<at::Tensor> conv_b, at::Tensor dt_bias, at::Tensor A,
-                            at::Tensor D, double lo, double hi, at::Tensor ssm_pool, at::Tensor slots,
-                            int64_t d_inner, int64_t n_groups) {
+// The checks and conversions both entry points share: the pools, the model dtype, contiguous inputs and the
+// parameters in fp32.
+void prepare(at::Tensor& xBC, at::Tensor& dt, const at::Tensor& conv_pool, at::Tensor& conv_w,
+             c10::optional<at::Tensor>& conv_b, at::Tensor& dt_bias, at::Tensor& A, at::Tensor& D,
+             const at::Tensor& ssm_pool) {
   TORCH_CHECK(xBC.dim() == 2 && dt.dim() == 2 && conv_pool.dim() == 3 && ssm_pool.dim() == 4, "shapes");
   TORCH_CHECK(xBC.scalar_type() == conv_pool.scalar_type() && dt.scalar_type() == xBC.scalar_type(),
               "xBC, dt and the conv pool share the model dtype");
   TORCH_CHECK(ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous() && conv_pool.is_contiguous(),
               "contiguous pools, the SSM state in fp32");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == xBC.size(0), "one int64 slot per sequence");
+  TORCH_CHECK(xBC.scalar_type() == at::kFloat || xBC.scalar_type() == at::kBFloat16, "fp32 or bf16 inputs");
   xBC = xBC.contiguous();
   dt = dt.contiguous();
-  slots = slots.contiguous();
   conv_w = conv_w.to(at::kFloat).contiguous();
   if (conv_b.has_value()) conv_b = conv_b->to(at::kFloat);
   dt_bias = dt_bias.to(at::kFloat).contiguous();
   A = A.to(at::kFloat).contiguous();
   D = D.to(at::kFloat).contiguous();
+}
+
+at::Tensor mamba_step_slots(at::Tensor xBC, at::Tensor dt, at::Tensor conv_pool, at::Tensor conv_w,
+                            c10::optional<at::Tensor> conv_b, at::Tensor dt_bias, at::Tensor A,
+                            at::Tensor D, double lo, double hi, at::Tensor ssm_pool, at::Tensor slots,
+                            int64_t d_inner, int64_t n_groups) {
+  prepare(xBC, dt, conv_pool, conv_w, conv_b, dt_bias, A, D, ssm_pool);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == xBC.size(0), "one int64 slot per sequence");
+  slots = slots.contiguous();
   if (xBC.scalar_type() == at::kFloat)
     return step<float>(xBC, dt, conv_pool, conv_w, conv_b, dt_bias, A, D, lo, hi, ssm_pool, slots, d_inner, n_groups);
-  TORCH_CHECK(xBC.scalar_type() == at::kBFloat16, "fp32 or bf16 inputs");
   return step<at::BFloat16>(xBC, dt, conv_pool, conv_w, conv_b, dt_bias, A, D, lo, hi, ssm_pool, slots, d_inner,
                             n_groups);
 }
@@ -302,28 +310,16 @@ at::Tensor mamba_chunks_slots(at::Tensor xBC, at::Tensor dt, at::Tensor conv_poo
                               c10::optional<at::Tensor> conv_b, at::Tensor dt_bias, at::Tensor A, at::Tensor D,
                               double lo, double hi, at::Tensor ssm_pool, at::Tensor starts, at::Tensor lengths,
                               at::Tensor slots, int64_t d_inner, int64_t n_groups) {
-  TORCH_CHECK(xBC.dim() == 2 && dt.dim() == 2 && conv_pool.dim() == 3 && ssm_pool.dim() == 4, "shapes");
-  TORCH_CHECK(xBC.scalar_type() == conv_pool.scalar_type() && dt.scalar_type() == xBC.scalar_type(),
-              "xBC, dt and the conv pool share the model dtype");
-  TORCH_CHECK(ssm_pool.scalar_type() == at::kFloat && ssm_pool.is_contiguous() && conv_pool.is_contiguous(),
-              "contiguous pools, the SSM state in fp32");
+  prepare(xBC, dt, conv_pool, conv_w, conv_b, dt_bias, A, D, ssm_pool);
   TORCH_CHECK(slots.scalar_type() == at::kLong && starts.scalar_type() == at::kLong &&
               lengths.scalar_type() == at::kLong && starts.numel() == slots.numel() &&
               lengths.numel() == slots.numel(), "one int64 start, length and slot per sequence");
-  xBC = xBC.contiguous();
-  dt = dt.contiguous();
   slots = slots.contiguous();
   starts = starts.contiguous();
   lengths = lengths.contiguous();
-  conv_w = conv_w.to(at::kFloat).contiguous();
-  if (conv_b.has_value()) conv_b = conv_b->to(at::kFloat);
-  dt_bias = dt_bias.to(at::kFloat).contiguous();
-  A = A.to(at::kFloat).contiguous();
-  D = D.to(at::kFloat).contiguous();
   if (xBC.scalar_type() == at::kFloat)
     return chunks<float>(xBC, dt, conv_pool, conv_w, conv_b, dt_bias, A, D, lo, hi, ssm_pool, starts, lengths, slots,
                          d_inner, n_groups);
-  TORCH_CHECK(xBC.scalar_type() == at::kBFloat16, "fp32 or bf16 inputs");
   return chunks<at::BFloat16>(xBC, dt, conv_pool, conv_w, conv_b, dt_bias, A, D, lo, hi, ssm_pool, starts, lengths,
                               slots, d_inner, n_groups);
 }
