@@ -10,12 +10,30 @@ DeepSeek-V3 style routing as used by Nemotron 3 (reference: transformers `Nemotr
     weights = scores[chosen] (unbiased), / their sum (+1e-20) if `norm_topk_prob`, * routed_scaling_factor
 
 Ties go to the lower expert (and group) id: selection sorts stably in descending order.
+
+On the CPU a router of at most `KERNEL_ROWS` tokens (a decode step) runs in one C++ call (`cpu_router.cpp`:
+the product and the selection; built on first use, PyTorch's path otherwise and for longer inputs).
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 from torch import nn
+
+SOURCE = Path(__file__).with_name("cpu_router.cpp")
+KERNEL_ROWS = 16  # the most tokens routed by the C++ kernel; a prefill chunk's product is a BLAS GEMM's work
+
+
+@functools.cache
+def kernel():
+    """The compiled router extension (`cpu_router.cpp`), built on first use; None when it is disabled
+    (`HYBRID_CPU_KERNELS=0`) or cannot be built."""
+    from moe.quant.kernels.cpu import build
+
+    return build(SOURCE, "hybrid_router", what="the MoE router kernel (once for this source, torch and CPU; about 20 s)")
 
 
 def route(
@@ -66,6 +84,19 @@ class TopkRouter(nn.Module):
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._kernel_takes(x):
+            weights, ids = kernel().route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
+                                          self.topk_group, self.norm_topk_prob, float(self.routed_scaling_factor))
+            return weights, ids
         logits = x.float() @ self.weight.float().T
         return route(logits, self.e_score_correction_bias.float(), self.top_k, self.n_group, self.topk_group,
                      self.norm_topk_prob, self.routed_scaling_factor)
+
+    def _kernel_takes(self, x: torch.Tensor) -> bool:
+        """Whether `x` goes to the C++ router: a CPU tensor of at most `KERNEL_ROWS` fp32 / bf16 rows, fp32
+        contiguous parameters, no autograd (training differentiates the PyTorch path), and the kernel built."""
+        return (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_ROWS
+                and x.dtype in (torch.float32, torch.bfloat16)
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+                and self.weight.dtype == torch.float32 and self.weight.is_contiguous()
+                and self.e_score_correction_bias.dtype == torch.float32 and kernel() is not None)
