@@ -72,7 +72,9 @@ def route(
 class TopkRouter(nn.Module):
     """`gate.weight` [E, H] and `gate.e_score_correction_bias` [E], both kept in fp32.
 
-    Shapes: x [T, H] -> (weights [T, k] fp32, ids [T, k] int64).
+    Shapes: x [T, H] -> (weights [T, k] fp32, ids [T, k] int64). `route` of `x.float() @ weight.T`; on the CPU
+    for up to `KERNEL_ROWS` tokens the C++ kernel, whose product sums in another order (logits agree to about
+    1e-6 relative; a choice that close to a tie may differ).
     """
 
     def __init__(self, hidden_size: int, n_routed_experts: int, top_k: int, n_group: int = 1, topk_group: int = 1,
@@ -84,7 +86,7 @@ class TopkRouter(nn.Module):
         self.norm_topk_prob, self.routed_scaling_factor = norm_topk_prob, routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._kernel_takes(x):
+        if self._kernel_takes(x):  # a decode step's few tokens: product and selection in one C++ call
             weights, ids = kernel().route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group,
                                           self.topk_group, self.norm_topk_prob, float(self.routed_scaling_factor))
             return weights, ids
@@ -99,4 +101,5 @@ class TopkRouter(nn.Module):
                 and x.dtype in (torch.float32, torch.bfloat16)
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and self.weight.dtype == torch.float32 and self.weight.is_contiguous()
-                and self.e_score_correction_bias.dtype == torch.float32 and kernel() is not None)
+                and self.e_score_correction_bias.dtype == torch.float32
+                and self.e_score_correction_bias.is_contiguous() and kernel() is not None)
