@@ -134,11 +134,10 @@ std::vector<at::Tensor> route(const at::Tensor& x, const at::Tensor& weight, con
       wp[t * top_k + j] = scores[e];
       sum += scores[e];
     }
-    const float div = norm ? sum + 1e-20f : 1.f;
     for (int64_t j = 0; j < top_k; ++j) {
-      float v = wp[t * top_k + j];
-      if (norm) v = v / div;
-      wp[t * top_k + j] = v * static_cast<float>(scale);
+      float& v = wp[t * top_k + j];
+      if (norm) v /= sum + 1e-20f;
+      v *= static_cast<float>(scale);
     }
   }
   return {weights, ids};

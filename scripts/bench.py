@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="prefill prompt lengths (default: preset's)")
     p.add_argument("--batches", type=int, nargs="+", default=None, help="decode batch sizes (default: preset's)")
-    p.add_argument("--decode-tokens", type=int, default=None, help="default 64")
+    p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--decode-prompt", type=int, default=32, help="prompt tokens before the decode measurement")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--peers", nargs="*", default=["transformers", "llama.cpp"])
@@ -347,9 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset == "nano-slice" and args.checkpoint is None:  # every format against llama.cpp's
         import bench_formats
 
-        args.prefill, args.decode_tokens, args.peer_home = args.lengths[0], args.decode_tokens or 64, PEER_HOME
+        args.prefill, args.peer_home = args.lengths[0], PEER_HOME
         return bench_formats.run(args, directory)
-    args.decode_tokens = args.decode_tokens or 64
 
     from hybrid.accounting import describe
     from hybrid.config import HybridConfig
