@@ -115,8 +115,17 @@ def worker_ours(args) -> dict:
 LLAMA_WORKER = r"""
 import json, resource, sys, time
 t0, path, P, N, threads = float(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+extra = sys.argv[6] == "1"  # llama.cpp's extra buffer types (its AMX and CPU repacked layouts), on by default
 import numpy as np
+import llama_cpp.llama_cpp as lib
 from llama_cpp import Llama
+if not extra:
+    defaults = lib.llama_model_default_params
+    def without_extra():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+    lib.llama_model_default_params = without_extra
 start = time.perf_counter()
 llm = Llama(model_path=path, n_ctx=P + N + 64, n_threads=threads, n_batch=512, flash_attn=True, verbose=False)
 load = time.perf_counter() - start
@@ -214,12 +223,22 @@ def run_ours(args, directory: Path) -> dict:
 
 
 def run_llama(args, gguf: Path) -> dict:
-    warm([gguf])
-    done = subprocess.run([str(args.llama_python), "-c", LLAMA_WORKER, repr(time.time()), str(gguf), str(args.prefill),
-                           str(args.decode_tokens), str(args.threads)], capture_output=True, text=True)
+    """llama.cpp's engine on `gguf` in its own process. Where it dies of a signal with its extra buffer types
+    (on a 2-core Xeon with AMX its AMX repacking of Q8_0 / Q4_K_M / MXFP4_MOE files segfaulted at the first
+    evaluation), it runs again without them (`use_extra_bufts = False`: no AMX or CPU repacked layouts), and the
+    result says so (`extra_buffers`: 0)."""
+    for extra in (1, 0):
+        warm([gguf])
+        done = subprocess.run([str(args.llama_python), "-c", LLAMA_WORKER, repr(time.time()), str(gguf),
+                               str(args.prefill), str(args.decode_tokens), str(args.threads), str(extra)],
+                              capture_output=True, text=True)
+        if done.returncode >= 0:
+            break
+        print(f"note: llama.cpp died of signal {-done.returncode} on {gguf.name} with its extra buffer types"
+              + ("; again without them" if extra else ""), file=sys.stderr)
     if done.returncode != 0:
-        return {"error": done.stderr.strip()[-300:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        return {"error": done.stderr.strip()[-300:] or f"exit status {done.returncode}"}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "extra_buffers": extra}
 
 
 def write_json(path: Path, content, indent: int = 1) -> None:
@@ -369,14 +388,16 @@ def print_report(report: dict) -> None:
         if "error" in r:
             print(f"{key:22} error: {r['error'][:100]}")
             continue
-        fmt = key.split()[-1]
+        fmt, label = key.split()[-1], key + (" *" if r.get("extra_buffers") == 0 else "")
         mb = (report["ours_bytes_per_token"].get(fmt) if key.startswith("ours") else
               report["llama_bytes"].get(fmt, {}).get("bytes_per_token"))
         proj = report["projection_nano_decode_tok_s"].get(key)
         vals = [r.get(c) for c in cols]
-        print(f"{key:22}" + "".join(f"{v:9.2f}" if v is not None else f"{'-':>9}" for v in vals[:4])
+        print(f"{label:22}" + "".join(f"{v:9.2f}" if v is not None else f"{'-':>9}" for v in vals[:4])
               + f"{vals[4] / 1e9:9.2f}" + (f"{mb / 1e6:10.0f}" if mb else f"{'-':>10}")
               + (f"{proj:11.2f}" if proj else f"{'-':>11}"))
+    if any(r.get("extra_buffers") == 0 for r in report["results"].values()):
+        print("* llama.cpp without its extra buffer types (it died of a signal with them on this machine)")
     for fmt, q in report["quantize"].items():
         print(f"hybrid quantize {fmt}: {q['seconds']:.0f} s, peak RSS {q['peak_rss_bytes'] / 1e9:.2f} GB")
     for t in report["targets"]:
