@@ -31,7 +31,7 @@ KERNEL_ROWS = 16  # the most tokens routed by the C++ kernel; a prefill chunk's 
 def kernel():
     """The compiled router extension (`cpu_router.cpp`), built on first use; None when it is disabled
     (`HYBRID_CPU_KERNELS=0`) or cannot be built."""
-    from moe.quant.kernels.cpu import build
+    from moe.quant.kernels.build import build
 
     return build(SOURCE, "hybrid_router", what="the MoE router kernel (once for this source, torch and CPU; about 20 s)")
 

@@ -281,13 +281,13 @@ def test_the_build_is_keyed_on_the_source_torch_and_cpu():
     assert key.startswith(torch.__version__) and str(Path(torch.__file__).resolve().parent) in key
 
 
-AVX2 = all(f in cpu._cpu_flags().split() for f in ("avx2", "fma", "f16c"))
+AVX2 = all(f in cpu.cpu_flags().split() for f in ("avx2", "fma", "f16c"))
 
 
 def test_the_compiled_path_matches_the_cpu():
     """`path()` names what -march=native compiled: AVX-512 (with or without the bf16 dot products) where the
     CPU has it, else AVX2 + FMA + F16C where it has those, else the scalar loops."""
-    flags = cpu._cpu_flags().split()
+    flags = cpu.cpu_flags().split()
     want = ("avx512-bf16" if {"avx512_bf16", "avx512vbmi"} <= set(flags) else "avx512f") if "avx512f" in flags \
         else "avx2-fma" if AVX2 else "scalar"
     assert cpu.module().path() == want
@@ -298,7 +298,7 @@ def portable_builds():
     """The builds a CPU without AVX-512 runs: -mno-avx512f (the AVX2 + FMA path where this CPU has it) and
     the scalar loops (-mno-avx2 as well). On a CPU without AVX-512 the first is the default build itself (not
     compiled twice)."""
-    yield "avx2-fma" if AVX2 else "scalar", cpu.module(portable="avx512f" in cpu._cpu_flags().split())
+    yield "avx2-fma" if AVX2 else "scalar", cpu.module(portable="avx512f" in cpu.cpu_flags().split())
     if AVX2:
         yield "scalar", cpu.build(cpu.SOURCE, "hybrid_packed_scalar", cpu.FLAGS + ("-mno-avx512f", "-mno-avx2", "-mno-fma"),
                                   "the scalar CPU kernels")

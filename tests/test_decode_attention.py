@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hybrid.layers.attention import decode_attention, one_query_attention
 from hybrid.ops.cpu import attention_module
-from moe.quant.kernels.cpu import _cpu_flags
+from moe.quant.kernels.build import cpu_flags
 
 needs_kernel = pytest.mark.skipif(attention_module() is None, reason="the decode-attention kernel is not built here")
 
@@ -26,7 +26,7 @@ def reference(q, k, v):
 def portable_kernel(q, k, v):
     """The kernel built without AVX-512 (the plain loops a CPU without it runs; on such a CPU the default build,
     tested as "kernel", is already this one)."""
-    if "avx512f" not in _cpu_flags().split():
+    if "avx512f" not in cpu_flags().split():
         pytest.skip("this CPU has no AVX-512: its default build is the portable one")
     b, nq, _, hd = q.shape
     out = attention_module(portable=True).decode_attention(q.reshape(b, nq, hd), k, v, hd ** -0.5)

@@ -12,7 +12,7 @@
 - `cpu_norm.cpp` (`norm_module`): RMSNorm and the gated, grouped RMSNorm of the Mamba-2 mixer, each one
   call and one pass per row, where the specification (`hybrid.ops.norm`) is 4 to 10 PyTorch operations.
 
-Built like the packed-weight kernels (`moe.quant.kernels.cpu.build`: cached by source, torch and CPU;
+Built like the packed-weight kernels (`moe.quant.kernels.build.build`: cached by source, torch and CPU;
 `HYBRID_CPU_KERNELS=0` or a failed build leaves the PyTorch path).
 """
 
@@ -29,7 +29,7 @@ NORM_SOURCE = Path(__file__).with_name("cpu_norm.cpp")
 @functools.cache
 def module():
     """The compiled extension, or None (disabled, or it cannot be built)."""
-    from moe.quant.kernels.cpu import build
+    from moe.quant.kernels.build import build
 
     return build(SOURCE, "hybrid_mamba", what="the Mamba-2 kernels (once for this source, torch and CPU; about "
                                               "30 s)")
@@ -48,7 +48,7 @@ def attention_module(portable: bool = False):
 @functools.cache
 def norm_module():
     """The compiled RMSNorm extension, or None (disabled, or it cannot be built)."""
-    from moe.quant.kernels.cpu import build
+    from moe.quant.kernels.build import build
 
     return build(NORM_SOURCE, "hybrid_norm", what="the RMSNorm kernels (once for this source, torch and CPU; about "
                                                   "20 s)")

@@ -23,44 +23,18 @@ stays tested.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import hashlib
-import os
-import platform
-import sys
-import warnings
 from pathlib import Path
 
 import torch
 
+from moe.quant.kernels import amx
+# the build's names, here too (`cpu.build`, `cpu.FLAGS`, ...)
+from moe.quant.kernels.build import FLAGS, build, build_name, cpu_flags, torch_key  # noqa: F401
+
 SOURCE = Path(__file__).with_name("cpu_packed.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp")  # OpenMP: at::parallel_for spreads the weight rows over the threads
 PORTABLE = ("-mno-avx512f",)  # the paths for CPUs without AVX-512 (AVX2 + FMA where this CPU has them)
 GRANULARITY = {"tensor": 0, "channel": 1, "block": 2}  # FP8 scale layouts, as the extension numbers them
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def torch_key() -> str:
-    """This torch: its version and where it is installed (the headers a build compiles against)."""
-    return f"{torch.__version__} {Path(torch.__file__).resolve().parent}"
-
-
-def build_name(source: bytes, torch_id: str, cpu_flags: str, flags: tuple[str, ...] = FLAGS,
-               prefix: str = "hybrid_packed") -> str:
-    """The extension's name and cache directory: a digest of what the build depends on (`torch_id`: the
-    `torch_key()` of the torch it compiles against)."""
-    key = hashlib.sha256(source + " ".join(flags).encode() + torch_id.encode() + cpu_flags.encode())
-    return f"{prefix}_{key.hexdigest()[:16]}"
 
 
 @functools.cache
@@ -69,74 +43,6 @@ def module(portable: bool = False):
     `portable`: the build without AVX-512 (what a CPU without it runs; tests compare it too)."""
     return build(SOURCE, "hybrid_packed", FLAGS + PORTABLE if portable else FLAGS,
                  "the packed-weight CPU kernels (once for this source, torch and CPU; about 30 s)")
-
-
-def build(source: Path, prefix: str, flags: tuple[str, ...] = FLAGS, what: str = "a CPU kernel"):
-    """Compile the C++ extension `source` on first use into `$HYBRID_CACHE/kernels/<prefix>_<digest>` (the
-    digest of `build_name`: never used for another source, torch (`torch_key`) or CPU), saying so once; None when
-    `HYBRID_CPU_KERNELS=0` is set or it cannot be built (a warning names why)."""
-    if os.environ.get("HYBRID_CPU_KERNELS", "1") == "0":
-        return None
-    name = build_name(source.read_bytes(), torch_key(), _cpu_flags(), flags, prefix)
-    directory = Path(os.environ.get("HYBRID_CACHE", Path.home() / ".cache" / "hybrid")) / "kernels" / name
-    try:
-        from torch.utils.cpp_extension import load
-
-        directory.mkdir(parents=True, exist_ok=True)
-        with _build_lock(directory), _our_ninja_first():
-            if not any(directory.glob(f"{name}*.so")):
-                print(f"compiling {what} ...", file=sys.stderr, flush=True)
-            return load(name=name, sources=[str(source)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
-                        build_directory=str(directory), verbose=False)
-    except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path is always correct
-        warnings.warn(f"{what} unavailable, using the PyTorch path ({type(e).__name__}: {e})", stacklevel=3)
-        return None
-
-
-@contextlib.contextmanager
-def _build_lock(directory: Path):
-    """Hold an exclusive `flock` on `directory/build.flock` (the OS releases it when its holder dies) and, once
-    held, remove torch's own lock file `directory/lock`: torch (`FileBaton`) creates that file while it builds
-    and, seeing it, waits for it to go, forever; a build killed midway (Ctrl-C during the first compile) would
-    leave it and hang every later start. Under the flock no other process of ours is building, so a `lock`
-    found then is stale. Where `fcntl` is missing (not POSIX), torch's lock alone."""
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(directory / "build.flock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            (directory / "lock").unlink(missing_ok=True)
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def _our_ninja_first():
-    """While torch builds (it runs `ninja` from PATH): PATH with the directory of the `ninja` package that this
-    project installs (a dependency) first. Without it, `.venv/bin/hybrid` run without the environment activated
-    (or a subprocess with a bare PATH) finds another ninja, or none (no build: the slow PyTorch path); and two
-    ninja versions taking turns on one cache directory rebuild from scratch each time the older follows the
-    newer (measured: ninja 1.11 after 1.13 recompiled a kernel at every start, 30-70 s each on 2 cores)."""
-    try:
-        import ninja
-
-        ours = str(Path(ninja.BIN_DIR))
-    except (ImportError, AttributeError):
-        yield
-        return
-    before = os.environ.get("PATH")
-    os.environ["PATH"] = os.pathsep.join([ours, before]) if before else ours
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("PATH", None)
-        else:
-            os.environ["PATH"] = before
 
 
 def _fp8(ext, xs, ts, fmt):
@@ -174,15 +80,27 @@ def linear(x: torch.Tensor, weight, expert: int | None = None, ext=None) -> torc
 
 def linear_group(xs: list[torch.Tensor], weight, experts: list[int | None], ext=None) -> list[torch.Tensor]:
     """`[linear(x, weight, e) for x, e in zip(xs, experts)]` in one call of the extension: one parallel loop
-    over the tiles of every product (the k experts a decoded token chose: one fork of the threads, not k)."""
+    over the tiles of every product (the k experts a decoded token chose: one fork of the threads, not k). On a
+    CPU with AMX, the products `amx.applies` to (bf16 inputs of `amx.MIN_ROWS` rows or more) go to `amx` in one
+    call, the rest here; `ext` given (a particular build of this extension): all of them there."""
+    tiled = [i for i, x in enumerate(xs) if amx.applies(x, weight.fmt)] if ext is None else []  # on AMX tiles
     ext = ext or module()
     # the packed tensors as stored (the extension reads their bytes; a copy only of one not contiguous)
     ts = [{r: t if t.is_contiguous() else t.contiguous() for r, t in weight.expert(e).items()} for e in experts]
+    ys: list[torch.Tensor | None] = [None] * len(xs)
+    if tiled:
+        for i, y in zip(tiled, amx.linear_group([xs[i] for i in tiled], [ts[i] for i in tiled], weight.fmt)):
+            ys[i] = y
+    rest = [i for i, y in enumerate(ys) if y is None]  # the register kernels
     ready = {}  # one conversion per distinct input (a decoded token's k experts share one x)
-    for x in xs:
-        if id(x) not in ready:
-            ready[id(x)] = kernel_input(x, ext)
-    return KERNELS[weight.fmt.codec.name](ext, [ready[id(x)] for x in xs], ts, weight.fmt)
+    for i in rest:
+        if id(xs[i]) not in ready:
+            ready[id(xs[i])] = kernel_input(xs[i], ext)
+    if rest:
+        outs = KERNELS[weight.fmt.codec.name](ext, [ready[id(xs[i])] for i in rest], [ts[i] for i in rest], weight.fmt)
+        for i, y in zip(rest, outs):
+            ys[i] = y
+    return ys
 
 
 def kernel_input(x: torch.Tensor, ext=None) -> torch.Tensor:

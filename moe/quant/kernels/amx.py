@@ -1,0 +1,70 @@
+"""Prefill-sized FP8 / NVFP4 / MXFP4 products on CPUs with AMX (`cpu_amx.cpp`): each weight decoded a slab of 64
+rows at a time into a short-lived bf16 buffer (344 KB per thread at Nano's width) and multiplied on the AMX tiles
+by PyTorch's oneDNN micro-kernel, bf16 inputs, fp32 sums; no dequantized copy of a whole weight is ever made.
+Exact like the register kernels of `cpu.py` (every decoded value is exact in bf16; the scales a bf16 cannot hold
+multiply the fp32 sums): the result equals the product with the exactly dequantized weight up to the order of
+the fp32 sums.
+
+Where it applies (`moe.quant.kernels.cpu.linear_group` asks): a bf16 input of at least `MIN_ROWS` rows (a
+prefill chunk, or an expert's share of one), FP8 with per-tensor or per-channel scales, NVFP4, MXFP4 (not a
+weight with a scale byte 0, 1 or 255), K a multiple of 32, and a CPU with AMX_BF16 on which PyTorch's oneDNN
+runs its AMX micro-kernels. Elsewhere the register kernels run. Measured on a 2-core Xeon with AMX at Nano's
+widths: see the README's speed section.
+
+Built on first use like the register kernels (`moe.quant.kernels.build`: keyed on the source, torch and this
+CPU); never on a CPU without AMX. Private PyTorch API used here (and nowhere else): `at::native::cpublas::brgemm`,
+`brgemm_release` and `could_pack` (C++).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from moe.quant.kernels.build import FLAGS, build, cpu_flags
+
+SOURCE = Path(__file__).with_name("cpu_amx.cpp")
+MIN_ROWS = 16  # below, the register kernels are faster (decoding the slabs is this path's fixed cost): crossover
+# measured at 8-12 rows on Nano's matrices, AMX 1.7-2.9x faster at 16 (README)
+
+
+@functools.cache
+def module():
+    """The compiled extension, or None: no AMX_BF16 on this CPU, kernels disabled (`HYBRID_CPU_KERNELS=0`), no
+    compiler, or a PyTorch whose oneDNN does not run AMX micro-kernels here; `HYBRID_AMX_KERNELS=0` turns this
+    path off alone."""
+    if "amx_bf16" not in cpu_flags().split() or os.environ.get("HYBRID_AMX_KERNELS", "1") == "0":
+        return None
+    ext = build(SOURCE, "hybrid_amx", FLAGS, "the AMX prefill kernels (once for this source, torch and CPU)")
+    return ext if ext is not None and ext.available() else None
+
+
+def applies(x: torch.Tensor, fmt) -> bool:
+    """Whether `x` (rows, K) and `fmt` are this path's (see the module docstring); builds the extension on the
+    first call that could use it."""
+    name, K = fmt.codec.name, x.shape[-1]
+    if x.dtype != torch.bfloat16 or x.shape[0] < MIN_ROWS or K % 32:
+        return False
+    if name == "fp8" and fmt.layout.granularity == "block" or name not in ("fp8", "nvfp4", "mxfp4"):
+        return False
+    return module() is not None
+
+
+def linear_group(xs: list[torch.Tensor], ts: list[dict[str, torch.Tensor]], fmt) -> list[torch.Tensor | None]:
+    """[x @ W.T (fp32) for each x bf16 [R, K] and W's packed tensors {role: tensor} (contiguous)] in one parallel
+    loop; None where this path does not compute it (an MXFP4 weight with an extreme scale byte)."""
+    ext, name = module(), fmt.codec.name
+    xs = [x.contiguous() for x in xs]
+    if name == "fp8":
+        scales = [t["scale"].float().contiguous().reshape(-1) for t in ts]  # one value, or one per output row
+        ys = ext.fp8_linear_group(xs, [t["data"] for t in ts], scales)
+    elif name == "nvfp4":  # ModelOpt's global multiplies, compressed-tensors' divides (1 / g in double)
+        gs = [float(t["global"].float()) for t in ts]
+        mults = [1.0 / g if fmt.layout.divisor else g for g in gs]
+        ys = ext.fp4_linear_group(xs, [t["data"] for t in ts], [t["scale"] for t in ts], fmt.codec.group, False, mults)
+    else:
+        ys = ext.fp4_linear_group(xs, [t["data"] for t in ts], [t["scale"] for t in ts], fmt.codec.group, True, [])
+    return list(ys)  # (an undefined tensor arrives as None)

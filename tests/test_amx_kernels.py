@@ -1,0 +1,114 @@
+"""The AMX prefill path (`moe.quant.kernels.amx`): prefill-sized products from FP8 / NVFP4 / MXFP4 bytes on the AMX
+tiles equal the product with the exactly dequantized weight up to the order of fp32 sums, at Nano's widths; the
+register kernels keep what this path does not cover. Runs only on a CPU with AMX (skipped elsewhere: the register
+kernels' own tests cover those CPUs).
+
+Oracle and bound as in test_cpu_kernels.py: float64 `x @ W.T`, W the format's exact dequantization; 2e-6 x
+(|x| @ |W|.T) per output element.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe.quant import PackedWeight
+from moe.quant.config import modelopt_format
+from moe.quant.kernels import amx, cpu
+from test_cpu_kernels import FORMATS, assert_exact, quantized
+
+pytestmark = pytest.mark.skipif(cpu.module() is None or amx.module() is None,
+                                reason="no AMX here (or the kernels could not be built)")
+COVERED = sorted(n for n in FORMATS if n != "fp8-block")
+
+
+@pytest.mark.parametrize("name", COVERED)
+@pytest.mark.parametrize("shape", [(1856, 2688), (2688, 1856), (200, 2688)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_prefill_products_on_amx_equal_the_dequantized_product(name, shape, monkeypatch):
+    """Nano's expert projections and a weight of 200 rows (a partial 64-row slab), at 16 rows, 100 (a partial
+    32-row block) and a 512-row prefill chunk: computed by this path, each exact."""
+    out_f, in_f = shape
+    fmt = FORMATS[name]
+    q = quantized(fmt, out_f, in_f, seed=out_f + in_f)
+    W = q.dequantize(torch.float64)
+    calls = spy(monkeypatch)
+    for rows in (amx.MIN_ROWS, 100, 512):
+        x = torch.randn(rows, in_f, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        assert_exact(cpu.linear(x, q), x, W)
+    assert calls == [1, 1, 1]
+
+
+def spy(monkeypatch) -> list[int]:
+    """The number of products of each call of `amx.linear_group`, recorded."""
+    calls, real = [], amx.linear_group
+
+    def recorded(xs, ts, fmt):
+        calls.append(len(xs))
+        return real(xs, ts, fmt)
+
+    monkeypatch.setattr(amx, "linear_group", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["fp8-tensor", "nvfp4", "mxfp4"])
+def test_a_group_mixing_small_and_prefill_sized_inputs(name, monkeypatch):
+    """A prefill chunk's experts: inputs of 1 to 40 rows in one group call; those of at least MIN_ROWS rows go to
+    the AMX tiles in one call, the others to the register kernels; every product exact, with its own expert."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(5)
+    stack = PackedWeight(fmt, 1856, 2688, n_experts=4)
+    for key, t in fmt.quantize(torch.randn(4, 1856, 2688, generator=g) * 0.02, torch.full((4,), 3.0)).items():
+        getattr(stack, key).copy_(t)
+    rows, experts = [1, 40, 3, 16, 17], [0, 1, 2, 3, 1]
+    xs = [torch.randn(r, 2688, generator=g).bfloat16() for r in rows]
+    calls = spy(monkeypatch)
+    for x, e, y in zip(xs, experts, cpu.linear_group(xs, stack, experts)):
+        assert_exact(y, x, stack.dequantize(torch.float64, expert=e))
+    assert calls == [3]
+
+
+def test_what_the_path_leaves_to_the_register_kernels(monkeypatch):
+    """fp32 inputs (not exact in bf16), FP8 128 x 128 blocks, fewer than MIN_ROWS rows: not this path."""
+    x = torch.randn(64, 256)
+    assert not amx.applies(x, FORMATS["fp8-tensor"])
+    assert amx.applies(x.bfloat16(), FORMATS["fp8-tensor"])
+    assert not amx.applies(x.bfloat16(), FORMATS["fp8-block"])
+    assert not amx.applies(x[: amx.MIN_ROWS - 1].bfloat16(), FORMATS["nvfp4"])
+    monkeypatch.setenv("HYBRID_AMX_KERNELS", "0")
+    amx.module.cache_clear()
+    try:
+        assert amx.module() is None and not amx.applies(x.bfloat16(), FORMATS["nvfp4"])
+    finally:
+        monkeypatch.delenv("HYBRID_AMX_KERNELS")
+        amx.module.cache_clear()
+
+
+@pytest.mark.parametrize("byte", [0, 1, 255])
+def test_an_mxfp4_weight_with_an_extreme_scale_runs_on_the_register_kernels(byte, monkeypatch):
+    """E8M0 bytes 0 and 1 make bf16 subnormals (read as 0 by AMX) and 255 is NaN: such a weight is returned
+    uncomputed by the AMX extension and computed by the register kernels, exact (its NaN rows NaN)."""
+    q = quantized(modelopt_format("MXFP4"), 96, 2688, seed=9)
+    with torch.no_grad():
+        q.weight_scale.view(torch.uint8)[3, 7] = byte
+    W = q.dequantize(torch.float64)
+    x = torch.randn(32, 2688, generator=torch.Generator().manual_seed(2)).bfloat16()
+    assert amx.linear_group([x], [q.expert(None)], q.fmt) == [None]
+    y = cpu.linear(x, q)
+    nan = torch.isnan(W).any(dim=1)
+    assert torch.equal(torch.isnan(y), nan.expand_as(y))
+    assert_exact(y[:, ~nan], x, W[~nan])
+
+
+def test_e4m3_nan_codes_make_their_rows_nan():
+    """A NaN byte (S.1111.111) in an FP8 weight row makes that row's outputs NaN and no other's, as in the
+    reference."""
+    q = quantized(modelopt_format("FP8"), 70, 256, seed=3)
+    with torch.no_grad():
+        q.weight.view(torch.uint8)[5, 17] = 0x7F
+        q.weight.view(torch.uint8)[66, 255] = 0xFF
+    W = q.dequantize(torch.float64)
+    x = torch.randn(20, 256).bfloat16()
+    y = amx.linear_group([x], [q.expert(None)], q.fmt)[0]
+    nan = torch.isnan(W).any(dim=1)
+    assert nan.sum() == 2 and torch.equal(torch.isnan(y), nan.expand_as(y))
+    assert_exact(y[:, ~nan], x, W[~nan])
