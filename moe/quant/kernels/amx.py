@@ -27,8 +27,8 @@ import torch
 from moe.quant.kernels.build import FLAGS, build, cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu_amx.cpp")
-MIN_ROWS = 16  # below, the register kernels are faster (decoding the slabs is this path's fixed cost): crossover
-# measured at 8-12 rows on Nano's matrices, AMX 1.7-2.9x faster at 16 (README)
+MIN_ROWS = 8  # below, the register kernels are faster (decoding the slabs is this path's fixed cost): crossover
+# measured between 4 and 8 rows on Nano's matrices, AMX 1.35-1.8x faster at 8 (README)
 
 
 @functools.cache

@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -31,40 +32,44 @@ constexpr int64_t kRows = 32;  // input rows per micro-kernel call: its M
 
 bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }  // oneDNN's AMX micro-kernels
 
-// 32 E4M3 bytes -> 32 bf16 in order: the fp16 bits (b & 0x7F) << 7 are e4m3(b) x 2^-8 exactly (subnormals
-// included), widened to fp32, times 2^8, to bf16 (exact: at most 4 significant bits); NaN codes stay NaN
-inline __m512i e4m3_to_bf16(const uint8_t* p) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i mag = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
-  const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8);
-  const __m512i h = _mm512_or_si512(_mm512_slli_epi16(mag, 7), sign);
-  const __m512 two8 = _mm512_set1_ps(256.0f);
-  const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), two8);
-  const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), two8);
-  const __m512i out = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
-  const __mmask32 nan = _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F));
-  return _mm512_mask_mov_epi16(out, nan, _mm512_set1_epi16(0x7FC0));
-}
-
-// The E2M1 values as fp32, indexed by a code
-alignas(64) constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
-                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
-
-// 8 code bytes (16 elements, element 2i the low nibble of byte i) times one block scale -> 16 fp32, exact
-inline __m512 e2m1_times(const uint8_t* p, __m512 scale) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)),
-                                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  const __m512i shift = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-  const __m512i code = _mm512_srlv_epi32(b, shift);  // vpermps reads the low 4 bits of each lane
-  return _mm512_mul_ps(_mm512_permutexvar_ps(code, _mm512_load_ps(kE2M1)), scale);
-}
-
 float e4m3(uint8_t b) {  // OFP8 E4M3: bias 7, no infinities, S.1111.111 is NaN
   const int e = (b >> 3) & 15, m = b & 7;
   const float v = (e == 15 && m == 7) ? NAN : e == 0 ? std::ldexp(static_cast<float>(m), -9)
                                                      : std::ldexp(1.0f + m / 8.0f, e - 7);
   return (b & 0x80) ? -v : v;
 }
+
+// The bf16 bits of e4m3(m) for the magnitudes m < 128 (127: NaN), as four vectors of 32 words
+struct E4m3Words {
+  __m512i t[4];
+  E4m3Words() {
+    alignas(64) uint16_t words[128];
+    for (int m = 0; m < 128; ++m) {
+      const float v = e4m3(static_cast<uint8_t>(m));
+      uint32_t u;
+      std::memcpy(&u, &v, 4);
+      words[m] = m == 127 ? 0x7FC0 : static_cast<uint16_t>(u >> 16);  // exact: at most 4 significant bits
+    }
+    for (int i = 0; i < 4; ++i) t[i] = _mm512_load_si512(words + 32 * i);
+  }
+};
+
+const E4m3Words kE4m3Words;
+
+// 32 E4M3 bytes -> 32 bf16 in order: two 64-word table lookups on the magnitude, the sign bit or-ed in
+inline __m512i e4m3_to_bf16(const uint8_t* p) {
+  const E4m3Words& words = kE4m3Words;
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i low = _mm512_permutex2var_epi16(words.t[0], w, words.t[1]);  // magnitudes 0-63 (index bits 0-5)
+  const __m512i high = _mm512_permutex2var_epi16(words.t[2], w, words.t[3]);  // 64-127
+  const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), low, high);
+  const __m512i sign = _mm512_set1_epi16(static_cast<short>(0x8000));
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(w, 8), sign, 0xF8);  // v | (w << 8 & sign)
+}
+
+// The E2M1 values as fp32, indexed by a code
+alignas(64) constexpr float kE2M1[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                         -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 struct ScaleTables {  // a scale byte's value: E4M3 (NVFP4), E8M0 (MXFP4: 2^(b - 127); 255 is NaN)
   float e4m3[256], e8m0[256];
@@ -98,12 +103,23 @@ struct Product {
     }
     const uint8_t* c = q + n * (K / 2);
     const uint8_t* s = scales + n * (K / group);
-    for (int64_t k = 0; k < K; k += 32) {  // two 16-element halves: one NVFP4 block each, or one MXFP4 block
-      const float* table = e8m0 ? kScales.e8m0 : kScales.e4m3;
-      const float s0 = table[s[k / group]], s1 = table[s[(k + 16) / group]];
-      const __m512 lo = e2m1_times(c + k / 2, _mm512_set1_ps(s0));
-      const __m512 hi = e2m1_times(c + k / 2 + 8, _mm512_set1_ps(s1));
-      _mm512_storeu_si512(out + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+    const float* table = e8m0 ? kScales.e8m0 : kScales.e4m3;
+    const __m512 values = _mm512_load_ps(kE2M1);
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+    for (int64_t k = 0; k < K; k += 32) {
+      // 16 code bytes -> word 2i: the low nibble of byte i, word 2i + 1: its high nibble (element order)
+      const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k / 2)));
+      const __m512i idx = _mm512_ternarylogic_epi32(d, _mm512_slli_epi32(d, 12), nibbles, 0xA8);  // (a | b) & c
+      // each block's 16 values e2m1(i) x scale as bf16 (exact), looked up by the codes: elements 0-15, 16-31
+      const __m512i t0 = _mm512_castsi256_si512(reinterpret_cast<__m256i>(
+          _mm512_cvtneps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(table[s[k / group]])))));
+      __m512i v = _mm512_permutexvar_epi16(idx, t0);
+      if (group == 16) {
+        const __m512i t1 = _mm512_castsi256_si512(reinterpret_cast<__m256i>(
+            _mm512_cvtneps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(table[s[k / group + 1]])))));
+        v = _mm512_mask_permutexvar_epi16(v, 0xFFFF0000u, idx, t1);
+      }
+      _mm512_storeu_si512(out + k, v);
     }
   }
 
