@@ -25,7 +25,7 @@ COVERED = sorted(n for n in FORMATS if n != "fp8-block")
 @pytest.mark.parametrize("name", COVERED)
 @pytest.mark.parametrize("shape", [(1856, 2688), (2688, 1856), (200, 2688)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_prefill_products_on_amx_equal_the_dequantized_product(name, shape, monkeypatch):
-    """Nano's expert projections and a weight of 200 rows (a partial 64-row slab), at 16 rows, 100 (a partial
+    """Nano's expert projections and a weight of 200 rows (a partial 64-row slab), at MIN_ROWS rows, 100 (a partial
     32-row block) and a 512-row prefill chunk: computed by this path, each exact."""
     out_f, in_f = shape
     fmt = FORMATS[name]
