@@ -14,7 +14,7 @@ import torch
 
 from moe.quant import PackedWeight
 from moe.quant.config import modelopt_format
-from moe.quant.kernels import amx, cpu
+from moe.quant.kernels import amx, bf16, cpu
 from test_cpu_kernels import FORMATS, assert_exact, quantized
 
 pytestmark = pytest.mark.skipif(cpu.module() is None or amx.module() is None,
@@ -112,3 +112,35 @@ def test_e4m3_nan_codes_make_their_rows_nan():
     nan = torch.isnan(W).any(dim=1)
     assert nan.sum() == 2 and torch.equal(torch.isnan(y), nan.expand_as(y))
     assert_exact(y[:, ~nan], x, W[~nan])
+
+
+@pytest.mark.parametrize("shape", [(1856, 2688), (2688, 1856), (200, 2688)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bf16_weights_on_amx_equal_the_float64_product(shape):
+    """bf16 weights (a bf16 model's experts) at Nano's widths and a partial slab, at MIN_ROWS, 100 and 512 rows:
+    the weight's rows are the A operand where they lie; each product exact up to the order of the fp32 sums."""
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(out_f)
+    w = (torch.randn(out_f, in_f, generator=g) * 0.02).bfloat16()
+    for rows in (amx.MIN_ROWS, 100, 512):
+        x = torch.randn(rows, in_f, generator=g).bfloat16()
+        assert amx.applies_bf16(x, w)
+        assert_exact(amx.bf16_linear_group([x], [w])[0], x, w.double())
+
+
+def test_a_bf16_expert_group_sends_its_prefill_sized_inputs_to_amx(monkeypatch):
+    """`bf16.linear_group` over experts of 1 to 40 rows: those of more than DECODE_ROWS rows in one AMX call, the
+    others in one register-kernel call; every output the exact product (ReLU applied), in bf16."""
+    g = torch.Generator().manual_seed(8)
+    ws = [bf16.pack((torch.randn(1856, 2688, generator=g) * 0.02).bfloat16()) for _ in range(4)]
+    rows = [1, 40, 3, bf16.DECODE_ROWS + 1, bf16.DECODE_ROWS]
+    xs = [torch.randn(r, 2688, generator=g).bfloat16() for r in rows]
+    packs = [ws[0], ws[1], ws[2], ws[3], ws[1]]
+    calls, real = [], amx.bf16_linear_group
+    monkeypatch.setattr(amx, "bf16_linear_group", lambda xs_, ws_: calls.append(len(xs_)) or real(xs_, ws_))
+    for relu in (False, True):
+        for x, w, y in zip(xs, packs, bf16.linear_group(xs, packs, relu=relu)):
+            ref = x.double() @ w.double().T
+            ref = ref.relu() if relu else ref
+            bound = 2e-6 * (x.double().abs() @ w.double().abs().T) + ref.abs() * 2.0 ** -8  # + bf16 rounding
+            assert y.dtype == torch.bfloat16 and bool(((y.double() - ref).abs() <= bound).all())
+    assert calls == [2, 2]

@@ -6,7 +6,7 @@
     cpu.py      FP8 / NVFP4 / MXFP4 products straight from the packed bytes (CPU; the C++ extension
                 cpu_packed.cpp, compiled on first use)
     amx.py      the same products for prefill-sized bf16 inputs on CPUs with AMX (cpu_amx.cpp: slabs decoded to
-                bf16, multiplied by oneDNN's AMX micro-kernel; chosen inside cpu.py)
+                bf16, multiplied by oneDNN's AMX micro-kernel; chosen inside cpu.py), and bf16 experts' (bf16.py)
     triton.py   fused dequantize-matmul for FP8 / NVFP4 weights, plain or grouped by expert (CUDA)
 
 The PyTorch reference (dequantize the weight, then an ordinary matmul) is what runs wherever no kernel

@@ -11,6 +11,9 @@ weight with a scale byte 0, 1 or 255), K a multiple of 32, and a CPU with AMX_BF
 runs its AMX micro-kernels. Elsewhere the register kernels run. Measured on a 2-core Xeon with AMX at Nano's
 widths: see the README's speed section.
 
+bf16 weights (`bf16_linear_group`: a bf16 model's experts, from `moe.quant.kernels.bf16.linear_group`) take the same
+loop with their rows as the A operand where they lie: nothing decoded or copied.
+
 Built on first use like the register kernels (`moe.quant.kernels.build`: keyed on the source, torch and this
 CPU); never on a CPU without AMX. Private PyTorch API used here (and nowhere else): `at::native::cpublas::brgemm`,
 `brgemm_release` and `could_pack` (C++).
@@ -51,6 +54,19 @@ def applies(x: torch.Tensor, fmt) -> bool:
     if name == "fp8" and fmt.layout.granularity == "block" or name not in ("fp8", "nvfp4", "mxfp4"):
         return False
     return module() is not None
+
+
+def applies_bf16(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x (rows, K) @ w.T with w a plain bf16 weight [N, K] (`moe.quant.kernels.bf16`'s plain form) is this
+    path's: x bf16 of at least `MIN_ROWS` rows, K a multiple of 32, a CPU with AMX."""
+    return (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and not w.is_mkldnn and x.dim() == 2
+            and x.shape[0] >= MIN_ROWS and x.shape[-1] % 32 == 0 and module() is not None)
+
+
+def bf16_linear_group(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[torch.Tensor]:
+    """[x @ w.T (fp32) for each x bf16 [R, K] and bf16 weight w [N, K]] in one parallel loop: the weights' rows
+    are the micro-kernel's A operand where they lie (a view of the checkpoint's map: nothing decoded or copied)."""
+    return list(module().bf16_linear_group([x.contiguous() for x in xs], [w.contiguous() for w in ws]))
 
 
 def linear_group(xs: list[torch.Tensor], ts: list[dict[str, torch.Tensor]], fmt) -> list[torch.Tensor | None]:

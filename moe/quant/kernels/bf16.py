@@ -13,13 +13,16 @@ A weight is stored, once, in one of two forms (`pack`), and every product dispat
              (Nano's 1,856 x 2,688 expert projections, 10,304 x 2,688 Mamba in_proj and 32K x 2,688 head,
              from DRAM), and at 22-34 GB/s on a 2-core AVX2 EPYC where PyTorch's `F.linear` reads 11-18 at
              one row and 1.2-5 at 4-16. Larger inputs run PyTorch's matmul, within 2-14% of oneDNN's
-             prepacked GEMM at 128-512 rows; without AVX512_BF16 (AVX2, or AVX-512 alone), where PyTorch's
-             bf16 GEMM is 4-6x slower than its fp32 one, fp32 GEMMs on 8 MB tiles of the weight widened to
-             fp32 (`_fp32_tiles`, one tile buffer per call). Nothing is
-             copied: a weight read from a checkpoint stays a view of its read-only memory map (as llama.cpp
-             maps its GGUF), so loading does not touch the bytes and the first forward reads them from the
-             OS page cache; the model and the page cache share one copy. (The checkpoint files must then not
-             be rewritten in place while the model lives; this project's writer replaces files atomically.)
+             prepacked GEMM at 128-512 rows, except a group of experts' inputs on a CPU with AMX: one call
+             of `amx.bf16_linear_group` over all of them (a 512-token chunk's 128 Nano experts, ~24 rows
+             each: 300 -> 207-238 ms a layer against one `F.linear` per expert); without AVX512_BF16
+             (AVX2, or AVX-512 alone), where PyTorch's bf16 GEMM is 4-6x slower than its fp32 one, fp32
+             GEMMs on 8 MB tiles of the weight widened to fp32 (`_fp32_tiles`, one tile buffer per call).
+             Nothing is copied: a weight read from a checkpoint stays a view of its read-only memory map
+             (as llama.cpp maps its GGUF), so loading does not touch the bytes and the first forward reads
+             them from the OS page cache; the model and the page cache share one copy. (The checkpoint
+             files must then not be rewritten in place while the model lives; this project's writer
+             replaces files atomically.)
     oneDNN   oneDNN's blocked layout (`moe.quant.kernels.onednn`) on other CPUs with oneDNN bf16.
 """
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moe.quant.kernels import cpu, onednn
+from moe.quant.kernels import amx, cpu, onednn
 
 DECODE_ROWS = 16  # inputs with at most this many rows take the dot-product kernel (plain form)
 PREFILL_TILE_BYTES = 8 << 20  # the fp32 tile of a weight widened at a time for larger inputs on AVX2
@@ -78,23 +81,31 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool = False) -> list[torch.Tensor]:
-    """`[linear(x, p, relu=relu) for x, p in zip(xs, packs)]` (no bias), in one kernel call over all the weights
-    when every form is plain and every x has at most `DECODE_ROWS` rows (the k experts a decoded token chose:
-    one fork of the threads instead of k, balanced over all of them)."""
+    """`[linear(x, p, relu=relu) for x, p in zip(xs, packs)]` (no bias), in as few calls as the forms allow when
+    every form is plain: the inputs of at most `DECODE_ROWS` rows in one kernel call over all their weights (the
+    k experts a decoded token chose: one fork of the threads instead of k, balanced over all of them), and on a
+    CPU with AMX the larger bf16 ones (a prefill chunk's experts) in one call of `amx.bf16_linear_group`."""
     ext = plain_kernel()
-    if ext is None or any(p.is_mkldnn for p in packs) or any(x.numel() > DECODE_ROWS * x.shape[-1] for x in xs):
+    if ext is None or any(p.is_mkldnn for p in packs):
         return [linear(x, p, relu=relu) for x, p in zip(xs, packs)]
     rows = {}  # one view per distinct input, so the extension widens a shared x once
     for x in xs:
         if id(x) not in rows:
             rows[id(x)] = _rows(x)
-    ys = ext.bf16_linear_group([rows[id(x)] for x in xs], list(packs))
-    if len(xs) == 1 or len({y.shape[-1] for y in ys}) != 1:
-        return [_from_kernel(x, y, None, relu) for x, y in zip(xs, ys)]
-    # one width (a decoded token's experts): the ReLU and the conversion once over all the rows
-    y = torch.cat(ys)
-    out = (y.relu_() if relu else y).to(torch.bfloat16).split([t.shape[0] for t in ys])
-    return [o if o.dim() == x.dim() else o.view(*x.shape[:-1], o.shape[-1]) for x, o in zip(xs, out)]
+    small = [x.numel() <= DECODE_ROWS * x.shape[-1] for x in xs]
+    tiled = [i for i, x in enumerate(xs) if not small[i] and amx.applies_bf16(rows[id(x)], packs[i])]
+    ys: list[torch.Tensor | None] = [None] * len(xs)  # fp32 results of the kernels
+    for idx, run in (([i for i, s in enumerate(small) if s], ext.bf16_linear_group), (tiled, amx.bf16_linear_group)):
+        if idx:
+            for i, y in zip(idx, run([rows[id(xs[i])] for i in idx], [packs[i] for i in idx])):
+                ys[i] = y
+    if len(xs) > 1 and all(y is not None for y in ys) and len({y.shape[-1] for y in ys}) == 1:
+        # one width (a decoded token's experts): the ReLU and the conversion once over all the rows
+        y = torch.cat(ys)
+        out = (y.relu_() if relu else y).to(torch.bfloat16).split([t.shape[0] for t in ys])
+        return [o if o.dim() == x.dim() else o.view(*x.shape[:-1], o.shape[-1]) for x, o in zip(xs, out)]
+    return [_from_kernel(x, y, None, relu) if y is not None else linear(x, p, relu=relu)
+            for x, y, p in zip(xs, ys, packs)]
 
 
 def _fp32_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

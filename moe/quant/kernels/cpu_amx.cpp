@@ -8,7 +8,9 @@
 // fp32 sums; the factors a bf16 cannot hold exactly (FP8's per-tensor or per-channel scale, NVFP4's global
 // scale) multiply the fp32 sums. Not covered here (the caller keeps the register kernels of cpu_packed.cpp):
 // FP8 128 x 128 blocks, fp32 inputs, MXFP4 scale bytes 0, 1 and 255 (E2M1 times 2^-127 or 2^-126 is a bf16
-// subnormal, which AMX reads as 0; 255 is NaN), K not a multiple of 32.
+// subnormal, which AMX reads as 0; 255 is NaN), K not a multiple of 32. bf16 weights (the routed experts of
+// a bf16 model, `moe.quant.kernels.bf16`) take the same loop with their rows as the A operand where they lie:
+// nothing decoded, nothing copied.
 //
 // Built on first use by moe/quant/kernels/amx.py only where this CPU has AMX_BF16 (and the build -march=native).
 #include <ATen/core/Tensor.h>
@@ -87,7 +89,7 @@ struct Product {
   const uint16_t *x, *xt;  // x [R, K], and as transpose_pairs lays it out
   float* y;
   int64_t R, K, N, slabs;
-  int kind;  // 0: FP8 (q [N, K]), 1: FP4 (codes [N, K / 2], scales [N, K / group])
+  int kind;  // 0: FP8 (q [N, K]), 1: FP4 (codes [N, K / 2], scales [N, K / group]), 2: bf16 (q: [N, K] bf16)
   const uint8_t *q, *scales;
   int64_t group;
   bool e8m0;
@@ -123,10 +125,13 @@ struct Product {
     }
   }
 
-  // rows [n0, n0 + nb) of W decoded into `w` ([nb, K] bf16), times each block of x: y's columns n0.. n0 + nb
+  // rows [n0, n0 + nb) of W decoded into `w` ([nb, K] bf16; bf16 weights are read where they are), times each
+  // block of x: y's columns n0.. n0 + nb
   void slab(int64_t s, uint16_t* w, float* c) const {
     const int64_t n0 = s * kSlab, nb = std::min(kSlab, N - n0);
-    for (int64_t j = 0; j < nb; ++j) decode_row(n0 + j, w + j * K);
+    if (kind == 2) w = const_cast<uint16_t*>(reinterpret_cast<const uint16_t*>(q)) + n0 * K;  // only read
+    else
+      for (int64_t j = 0; j < nb; ++j) decode_row(n0 + j, w + j * K);
     for (int64_t r0 = 0; r0 < R; r0 += kRows) {
       const int64_t m = std::min(kRows, R - r0);
       // c [nb, m] = W_slab [nb, K] @ (x rows r0.. r0 + m).T, from xt's block of those rows
@@ -181,8 +186,13 @@ Product product(const at::Tensor& x, const at::Tensor& w, int kind, at::Tensor& 
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [R, K] bfloat16");
   const int64_t R = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
-  TORCH_CHECK(w.element_size() == 1 && w.is_contiguous() && w.numel() == N * (kind == 0 ? K : K / 2),
-              "packed data must be contiguous bytes [N, ", kind == 0 ? K : K / 2, "]");
+  if (kind == 2) {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2 && w.size(1) == K,
+                "a bf16 weight must be contiguous [N, ", K, "] bfloat16");
+  } else {
+    TORCH_CHECK(w.element_size() == 1 && w.is_contiguous() && w.numel() == N * (kind == 0 ? K : K / 2),
+                "packed data must be contiguous bytes [N, ", kind == 0 ? K : K / 2, "]");
+  }
   y = at::empty({R, N}, x.options().dtype(at::kFloat));
   Product p{};
   p.x = reinterpret_cast<const uint16_t*>(x.data_ptr()), p.y = y.data_ptr<float>();
@@ -237,10 +247,22 @@ std::vector<at::Tensor> fp4_linear_group(const std::vector<at::Tensor>& xs, cons
   return ys;
 }
 
+// [x_g @ W_g.T] for bf16 weights W_g [N, K] (the A operand as they are: nothing decoded or copied)
+std::vector<at::Tensor> bf16_linear_group(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& ws) {
+  TORCH_CHECK(xs.size() == ws.size(), "as many inputs as weights");
+  std::vector<at::Tensor> ys(xs.size());
+  std::vector<Product> jobs;
+  for (size_t g = 0; g < xs.size(); ++g) jobs.push_back(product(xs[g], ws[g], 2, ys[g]));
+  std::vector<at::Tensor> keep;
+  run(jobs, keep);
+  return ys;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether oneDNN's AMX bf16 micro-kernels run on this CPU");
   m.def("fp8_linear_group", &fp8_linear_group, "[x_g bf16 @ FP8 W_g.T -> fp32] (per-tensor or per-channel scales)");
   m.def("fp4_linear_group", &fp4_linear_group, "[x_g bf16 @ NVFP4 / MXFP4 W_g.T -> fp32]");
+  m.def("bf16_linear_group", &bf16_linear_group, "[x_g bf16 @ bf16 W_g.T -> fp32]");
 }
