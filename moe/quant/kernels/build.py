@@ -43,7 +43,6 @@ def build_name(source: bytes, torch_id: str, cpu_flags: str, flags: tuple[str, .
     return f"{prefix}_{key.hexdigest()[:16]}"
 
 
-
 def build(source: Path, prefix: str, flags: tuple[str, ...] = FLAGS, what: str = "a CPU kernel"):
     """Compile the C++ extension `source` on first use into `$HYBRID_CACHE/kernels/<prefix>_<digest>` (the
     digest of `build_name`: never used for another source, torch (`torch_key`) or CPU), saying so once; None when

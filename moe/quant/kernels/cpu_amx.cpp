@@ -129,13 +129,14 @@ struct Product {
   // block of x: y's columns n0.. n0 + nb
   void slab(int64_t s, uint16_t* w, float* c) const {
     const int64_t n0 = s * kSlab, nb = std::min(kSlab, N - n0);
-    if (kind == 2) w = const_cast<uint16_t*>(reinterpret_cast<const uint16_t*>(q)) + n0 * K;  // only read
+    const uint16_t* a = w;  // the A operand: the decoded slab, or a bf16 weight's own rows
+    if (kind == 2) a = reinterpret_cast<const uint16_t*>(q) + n0 * K;
     else
       for (int64_t j = 0; j < nb; ++j) decode_row(n0 + j, w + j * K);
     for (int64_t r0 = 0; r0 < R; r0 += kRows) {
       const int64_t m = std::min(kRows, R - r0);
       // c [nb, m] = W_slab [nb, K] @ (x rows r0.. r0 + m).T, from xt's block of those rows
-      at::native::cpublas::brgemm(nb, m, K, K, m, m, false, reinterpret_cast<const at::BFloat16*>(w),
+      at::native::cpublas::brgemm(nb, m, K, K, m, m, false, reinterpret_cast<const at::BFloat16*>(a),
                                   reinterpret_cast<const at::BFloat16*>(xt + r0 * K), c, true);
       for (int64_t r = 0; r < m; ++r)
         for (int64_t j = 0; j < nb; ++j)
@@ -160,9 +161,10 @@ void transpose_pairs(const uint16_t* x, int64_t R, int64_t K, uint16_t* xt) {
 // Every slab of every product in one parallel loop; each thread with its own buffers
 void run(std::vector<Product>& jobs, std::vector<at::Tensor>& keep) {
   std::vector<int64_t> first(jobs.size() + 1, 0);
-  int64_t K = 0;
+  int64_t K = 0;  // the widest decoded row (bf16 weights decode nothing)
   for (size_t g = 0; g < jobs.size(); ++g) {
-    first[g + 1] = first[g] + jobs[g].slabs, K = std::max(K, jobs[g].K);
+    first[g + 1] = first[g] + jobs[g].slabs;
+    if (jobs[g].kind != 2) K = std::max(K, jobs[g].K);
     keep.push_back(at::empty({jobs[g].R * jobs[g].K}, at::kBFloat16));
     jobs[g].xt = reinterpret_cast<const uint16_t*>(keep.back().data_ptr());
   }
