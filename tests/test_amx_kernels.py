@@ -127,20 +127,43 @@ def test_bf16_weights_on_amx_equal_the_float64_product(shape):
         assert_exact(amx.bf16_linear_group([x], [w])[0], x, w.double())
 
 
-def test_a_bf16_expert_group_sends_its_prefill_sized_inputs_to_amx(monkeypatch):
-    """`bf16.linear_group` over experts of 1 to 40 rows: those of more than DECODE_ROWS rows in one AMX call, the
-    others in one register-kernel call; every output the exact product (ReLU applied), in bf16."""
+def test_a_bf16_expert_group_sends_its_inputs_of_min_rows_or_more_to_amx(monkeypatch):
+    """`bf16.linear_group` over experts of 1 to 40 rows: those of at least amx.MIN_ROWS rows (decode's 8-16 as well
+    as prefill's) in one AMX call, the others in one register-kernel call; every output the exact product (ReLU
+    applied), in bf16."""
     g = torch.Generator().manual_seed(8)
     ws = [bf16.pack((torch.randn(1856, 2688, generator=g) * 0.02).bfloat16()) for _ in range(4)]
-    rows = [1, 40, 3, bf16.DECODE_ROWS + 1, bf16.DECODE_ROWS]
+    rows = [1, 40, 3, amx.MIN_ROWS - 1, amx.MIN_ROWS, bf16.DECODE_ROWS + 1, bf16.DECODE_ROWS]
     xs = [torch.randn(r, 2688, generator=g).bfloat16() for r in rows]
-    packs = [ws[0], ws[1], ws[2], ws[3], ws[1]]
+    packs = [ws[0], ws[1], ws[2], ws[3], ws[0], ws[3], ws[1]]
     calls, real = [], amx.bf16_linear_group
-    monkeypatch.setattr(amx, "bf16_linear_group", lambda xs_, ws_: calls.append(len(xs_)) or real(xs_, ws_))
+    monkeypatch.setattr(amx, "bf16_linear_group", lambda xs_, ws_: calls.append([x.shape[0] for x in xs_]) or real(xs_, ws_))
+    ext = bf16.plain_kernel()
+    small, real_small = [], ext.bf16_linear_group
+    monkeypatch.setattr(ext, "bf16_linear_group", lambda xs_, ws_: small.append([x.shape[0] for x in xs_]) or real_small(xs_, ws_))
     for relu in (False, True):
         for x, w, y in zip(xs, packs, bf16.linear_group(xs, packs, relu=relu)):
             ref = x.double() @ w.double().T
             ref = ref.relu() if relu else ref
             bound = 2e-6 * (x.double().abs() @ w.double().abs().T) + ref.abs() * 2.0 ** -8  # + bf16 rounding
             assert y.dtype == torch.bfloat16 and bool(((y.double() - ref).abs() <= bound).all())
-    assert calls == [2, 2]
+    tiled = [40, amx.MIN_ROWS, bf16.DECODE_ROWS + 1, bf16.DECODE_ROWS]
+    assert calls == [tiled, tiled] and small == [[1, 3, amx.MIN_ROWS - 1]] * 2
+
+
+@pytest.mark.parametrize("rows", [amx.MIN_ROWS - 1, amx.MIN_ROWS, bf16.DECODE_ROWS])
+def test_a_dense_bf16_projection_of_decode_rows_takes_amx_from_min_rows(rows, monkeypatch):
+    """`bf16.linear` (a dense projection: Mamba's in_proj at Nano's width) at 7, 8 and 16 rows (a server's decode
+    step): AMX from amx.MIN_ROWS rows, the register kernel below; exact with its bias and ReLU, in bf16."""
+    g = torch.Generator().manual_seed(rows)
+    w = bf16.pack((torch.randn(10304, 2688, generator=g) * 0.02).bfloat16())
+    bias = torch.randn(10304, generator=g).bfloat16()
+    x = torch.randn(rows, 2688, generator=g).bfloat16()
+    calls, real = [], amx.bf16_linear_group
+    monkeypatch.setattr(amx, "bf16_linear_group", lambda xs_, ws_: calls.append(len(xs_)) or real(xs_, ws_))
+    y = bf16.linear(x, w, bias, relu=True)
+    ref = (x.double() @ w.double().T + bias.double()).relu()
+    bound = 2e-6 * (x.double().abs() @ w.double().abs().T + bias.double().abs()) + ref.abs() * 2.0 ** -8
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 10304)
+    assert bool(((y.double() - ref).abs() <= bound).all())
+    assert calls == ([1] if rows >= amx.MIN_ROWS else [])

@@ -73,7 +73,10 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     if packed.is_mkldnn:
         return onednn.linear(x, packed, bias, relu)
     if x.numel() <= DECODE_ROWS * x.shape[-1]:
-        return _from_kernel(x, plain_kernel().bf16_linear(_rows(x), packed), bias, relu)
+        rows = _rows(x)
+        if amx.applies_bf16(rows, packed):  # 8-16 rows: the register kernel is bound by its dot products there
+            return _from_kernel(x, amx.bf16_linear_group([rows], [packed])[0], bias, relu)
+        return _from_kernel(x, plain_kernel().bf16_linear(rows, packed), bias, relu)
     if not plain_kernel().bf16_inputs():  # no AVX512_BF16: PyTorch's bf16 GEMM runs at a fifth of its fp32 one
         return _from_kernel(x, _fp32_tiles(_rows(x), packed), bias, relu)
     y = F.linear(x, packed, bias)
@@ -92,8 +95,8 @@ def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool =
     for x in xs:
         if id(x) not in rows:
             rows[id(x)] = _rows(x)
-    small = [x.numel() <= DECODE_ROWS * x.shape[-1] for x in xs]
-    tiled = [i for i, x in enumerate(xs) if not small[i] and amx.applies_bf16(rows[id(x)], packs[i])]
+    tiled = [i for i, x in enumerate(xs) if amx.applies_bf16(rows[id(x)], packs[i])]
+    small = [x.numel() <= DECODE_ROWS * x.shape[-1] and i not in tiled for i, x in enumerate(xs)]
     ys: list[torch.Tensor | None] = [None] * len(xs)  # fp32 results of the kernels
     for idx, run in (([i for i, s in enumerate(small) if s], ext.bf16_linear_group), (tiled, amx.bf16_linear_group)):
         if idx:
