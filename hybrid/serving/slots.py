@@ -65,8 +65,9 @@ class StateSlots:
         self._free = list(range(num_slots - 1, self.num_slots - 1, -1)) + self._free
         self.num_slots = num_slots
 
-    def allocate(self) -> int:
-        """A slot holding the zero state of a fresh sequence.
+    def allocate(self, zero: bool = True) -> int:
+        """A slot holding the zero state of a fresh sequence (`zero`), or whatever its last sequence left, for a
+        caller that overwrites all of it (`write`).
 
         Raises:
             NoFreeSlots: every slot is held.
@@ -74,8 +75,9 @@ class StateSlots:
         if not self._free:
             raise NoFreeSlots(f"all {self.num_slots} state slots are in use")
         slot = self._free.pop()
-        for t in self.conv + self.ssm:
-            t[slot].zero_()
+        if zero:
+            for t in self.conv + self.ssm:
+                t[slot].zero_()
         return slot
 
     def release(self, slot: int) -> None:
