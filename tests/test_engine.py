@@ -77,6 +77,31 @@ def test_however_the_prompt_is_chunked(model, budget):
     assert engine.generate([prompt], max_tokens=12)[0].token_ids == alone(model, prompt, 12)
 
 
+def test_decode_tokens_never_leave_a_prompt_a_sliver_to_its_snapshot_position(model):
+    """3 sequences decode while a 70-token prompt prefills with a budget of 16 and snapshots every 16: each of its
+    chunks runs to the next multiple of 16 (or the prompt's end) in one step, up to 3 tokens over the budget,
+    where cutting at the budget left a 3-token step per chunk; every request's tokens are its own alone."""
+    short = random_prompts(3, 5, 9, seed=30)
+    long = random_prompts(1, 70, 70, seed=31)[0]
+    engine = Engine(model, num_blocks=128, block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+                    prefix_caching=True, snapshot_interval=16)
+    ids = [engine.add_request(p, None, 40) for p in short]
+    while any(not engine.requests[i].output_ids for i in ids):
+        engine.step()
+    rid = engine.add_request(long, None, 6)
+    ends, steps = [], []
+    while engine.requests[rid].num_computed < len(long):
+        engine.step()
+        ends.append(engine.requests[rid].num_computed)
+        steps.append(engine.last_step.num_tokens)
+    assert ends == [16, 32, 48, 64, 70]
+    assert max(steps) == 16 + 3 and all(s <= 16 + 3 for s in steps)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests[rid].output_ids == alone(model, long, 6)
+    assert [engine.requests[i].output_ids for i in ids] == [alone(model, p, 40) for p in short]
+
+
 def test_a_seeded_sampled_request_gives_the_same_tokens_alone_and_among_others(model):
     prompts = random_prompts(8, 2, 30, seed=3)
     params = [SamplingParams(temperature=1.3, top_k=40, top_p=0.95, seed=100 + i) for i in range(8)]

@@ -84,7 +84,8 @@ class Engine:
         num_blocks: KV blocks in the pool, allocated at start (`block_size` tokens each, every attention
             layer); sized from a memory budget by `hybrid.serving.capacity.plan`.
         max_num_seqs: state slots and the most requests running at once.
-        max_num_batched_tokens: tokens per forward (decode tokens and prompt chunks together).
+        max_num_batched_tokens: tokens per forward (decode tokens and prompt chunks together; a prompt chunk may
+            run up to max_num_seqs - 1 tokens past it to end its stretch: `hybrid.serving.scheduler`).
         max_model_len: the most tokens (prompt and output) of one request; default and maximum: what the
             KV pool holds (`num_blocks * block_size`), so every request fits the pool alone.
         prefix_caching: share the KV blocks of common prefixes across requests and resume from Mamba

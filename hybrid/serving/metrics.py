@@ -1,7 +1,7 @@
 """The server's `/metrics`: Prometheus text exposition of the engine's and the runner's counters.
 
 Gauges and counters as Prometheus names them (`_total` for counters), every name prefixed `hybrid_`, and one
-histogram, `hybrid_engine_step_seconds` (the wall time of each engine step: one forward of up to
+histogram, `hybrid_engine_step_seconds` (the wall time of each engine step: one forward of about
 `max_num_batched_tokens` tokens, decode and prefill chunks together), with cumulative `_bucket{le=...}`
 lines, `_sum` and `_count` (https://prometheus.io/docs/instrumenting/exposition_formats/).
 """
