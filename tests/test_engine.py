@@ -391,6 +391,28 @@ def test_snapshots_stay_within_their_byte_budget_least_recently_used_out(model):
     assert engine.prefix.match(a + [5]) == 0 and engine.prefix.match(b + [5]) == 33
 
 
+def test_a_dropped_snapshots_states_are_written_again_by_the_next_and_hits_stay_exact(model):
+    """Past the byte budget each new snapshot's Mamba states go into the storage of one the budget dropped (no
+    fresh pages a request), and a hit on it gives the cold run's tokens."""
+    one = Engine(model, num_blocks=256, block_size=4).slots.slot_nbytes()
+    engine = Engine(model, num_blocks=256, block_size=4, prefix_caching=True, snapshot_interval=64,
+                    prefix_cache_bytes=2 * one + 1000)
+    prompts = random_prompts(4, 20, 30, seed=20)
+    storage = lambda snapshot: {t.data_ptr() for pair in snapshot.mamba for t in pair}
+    seen = set()
+    for i, p in enumerate(prompts):
+        engine.generate([p], max_tokens=1)  # one snapshot each, at the prompt's end
+        last = list(engine.prefix.snapshots.values())[-1]  # the most recently used
+        assert last.length == len(p)
+        if i >= 3:  # the first two fill the budget, the third drops the first
+            assert storage(last) <= seen
+        seen |= storage(last)
+    assert len(engine.prefix.snapshots) == 2
+    turn2 = prompts[-1] + [7, 8, 9]
+    (c,) = engine.generate([turn2], max_tokens=6)
+    assert c.cached_tokens == len(prompts[-1]) and c.token_ids == alone(model, turn2, 6)
+
+
 # ---------------------------------------------------------------------------------------------- errors
 def test_bad_requests_and_sizes_are_clear_errors(model):
     engine = Engine(model, num_blocks=8, block_size=4)

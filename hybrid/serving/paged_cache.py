@@ -168,8 +168,9 @@ class PagedCache(Cache):
         return [(k.flatten(0, 1)[index].transpose(0, 1).clone(), v.flatten(0, 1)[index].transpose(0, 1).clone())
                 for k, v in zip(self.blocks.k, self.blocks.v)]
 
-    def snapshot_mamba(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return self.slots.read(self.seqs[row].slot)
+    def snapshot_mamba(self, row: int, out: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.slots.read(self.seqs[row].slot, out)
 
     def restore(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]],
                 mamba: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

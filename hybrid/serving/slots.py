@@ -89,9 +89,16 @@ class StateSlots:
         """Mamba layer `layer`'s state of `slot` as a batch-1 `MambaState` of views (writes land in the pool)."""
         return MambaState(conv=self.conv[layer][slot:slot + 1], ssm=self.ssm[layer][slot:slot + 1])
 
-    def read(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the slot's states, per Mamba layer: (conv [conv_dim, K-1], ssm [nh, P, N])."""
-        return [(c[slot].clone(), s[slot].clone()) for c, s in zip(self.conv, self.ssm)]
+    def read(self, slot: int, out: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the slot's states, per Mamba layer: (conv [conv_dim, K-1], ssm [nh, P, N]); written into
+        `out` (tensors of those shapes and dtypes, as an earlier `read` returned) when given."""
+        if out is None:
+            return [(c[slot].clone(), s[slot].clone()) for c, s in zip(self.conv, self.ssm)]
+        for c, s, (conv, ssm) in zip(self.conv, self.ssm, out):
+            conv.copy_(c[slot])
+            ssm.copy_(s[slot])
+        return out
 
     def write(self, slot: int, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Set the slot's states from copies in the form `read` returns."""
