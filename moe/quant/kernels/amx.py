@@ -11,8 +11,9 @@ weight with a scale byte 0, 1 or 255), K a multiple of 32, and a CPU with AMX_BF
 runs its AMX micro-kernels. Elsewhere the register kernels run. Measured on a 2-core Xeon with AMX at Nano's
 widths: see the README's speed section.
 
-bf16 weights (`bf16_linear_group`: a bf16 model's experts, from `moe.quant.kernels.bf16.linear_group`) take the same
-loop with their rows as the A operand where they lie: nothing decoded or copied.
+bf16 weights (`bf16_linear_group`: a bf16 model's experts and dense projections of 8 rows or more, from
+`moe.quant.kernels.bf16`) take the same loop with their rows as the A operand where they lie (32 rows a call for
+inputs of at most 16 rows): nothing decoded or copied.
 
 Built on first use like the register kernels (`moe.quant.kernels.build`: keyed on the source, torch and this
 CPU); never on a CPU without AMX. Private PyTorch API used here (and nowhere else): `at::native::cpublas::brgemm`,

@@ -12,7 +12,10 @@ A weight is stored, once, in one of two forms (`pack`), and every product dispat
              this project's AVX-512 2-core machine where oneDNN's prepacked product reads it at 19-25
              (Nano's 1,856 x 2,688 expert projections, 10,304 x 2,688 Mamba in_proj and 32K x 2,688 head,
              from DRAM), and at 22-34 GB/s on a 2-core AVX2 EPYC where PyTorch's `F.linear` reads 11-18 at
-             one row and 1.2-5 at 4-16. Larger inputs run PyTorch's matmul, within 2-14% of oneDNN's
+             one row and 1.2-5 at 4-16; on a CPU with AMX, those of `amx.MIN_ROWS` (8) to 16 rows (a server's
+             decode step) take the AMX tiles instead (`amx.bf16_linear_group`), where the register kernel is
+             bound by its dot products (a 6,176 x 1,024 weight at 16 rows from memory: 1.58 -> 0.65 ms; Nano's
+             10,304 x 2,688 in_proj at 8 rows: 3.4 -> 2.3 ms). Larger inputs run PyTorch's matmul, within 2-14% of oneDNN's
              prepacked GEMM at 128-512 rows, except a group of experts' inputs on a CPU with AMX: one call
              of `amx.bf16_linear_group` over all of them (a 512-token chunk's 128 Nano experts, ~24 rows
              each: 300 -> 207-238 ms a layer against one `F.linear` per expert); without AVX512_BF16
@@ -87,7 +90,8 @@ def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool =
     """`[linear(x, p, relu=relu) for x, p in zip(xs, packs)]` (no bias), in as few calls as the forms allow when
     every form is plain: the inputs of at most `DECODE_ROWS` rows in one kernel call over all their weights (the
     k experts a decoded token chose: one fork of the threads instead of k, balanced over all of them), and on a
-    CPU with AMX the larger bf16 ones (a prefill chunk's experts) in one call of `amx.bf16_linear_group`."""
+    CPU with AMX those of at least `amx.MIN_ROWS` rows (a prefill chunk's experts, a busy decode step's) in one call
+    of `amx.bf16_linear_group`."""
     ext = plain_kernel()
     if ext is None or any(p.is_mkldnn for p in packs):
         return [linear(x, p, relu=relu) for x, p in zip(xs, packs)]

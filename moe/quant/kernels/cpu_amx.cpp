@@ -30,10 +30,11 @@
 namespace {
 
 constexpr int64_t kSlab = 64;  // weight rows decoded per buffer: the N of one micro-kernel call
-// A bf16 weight's rows per micro-kernel call (read in place): 64 rows of Nano's 5,376-byte rows are 84 pages read
-// at once, more streams than the L2 prefetcher follows: from memory, 32 rows took 2.3-2.5 ms where 64 took 3.8-4.7
-// (10,304 x 2,688 at 8-16 input rows), and the same or better at 24-96 rows
-constexpr int64_t kSlabBf16 = 32;
+// A bf16 weight's rows per micro-kernel call (read in place) for inputs of at most kFewRows rows, whose product
+// streams the weight from memory: 64 of Nano's 5,376-byte rows are 84 pages read at once, more streams than the
+// L2 prefetcher follows (10,304 x 2,688 at 8-16 input rows from memory: 2.3-2.5 ms in slabs of 32 rows, 3.8-4.7
+// in slabs of 64). Larger inputs keep kSlab: on weights in cache 32-row slabs were up to 20% slower.
+constexpr int64_t kSlabBf16Few = 32, kFewRows = 16;
 constexpr int64_t kRows = 32;  // input rows per micro-kernel call: its M
 
 bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }  // oneDNN's AMX micro-kernels
@@ -202,7 +203,7 @@ Product product(const at::Tensor& x, const at::Tensor& w, int kind, at::Tensor& 
   y = at::empty({R, N}, x.options().dtype(at::kFloat));
   Product p{};
   p.x = reinterpret_cast<const uint16_t*>(x.data_ptr()), p.y = y.data_ptr<float>();
-  p.R = R, p.K = K, p.N = N, p.slab_rows = kind == 2 ? kSlabBf16 : kSlab, p.kind = kind;
+  p.R = R, p.K = K, p.N = N, p.slab_rows = kind == 2 && R <= kFewRows ? kSlabBf16Few : kSlab, p.kind = kind;
   p.slabs = (N + p.slab_rows - 1) / p.slab_rows;
   p.q = static_cast<const uint8_t*>(w.data_ptr()), p.mult = 1.0f;
   return p;
