@@ -162,10 +162,9 @@ class Cache(ABC):
         (k, v) [num_key_value_heads, end - start, head_dim]."""
 
     @abstractmethod
-    def snapshot_mamba(self, row: int, out: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def snapshot_mamba(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of row `row`'s Mamba states at its current end, per Mamba layer: (conv [conv_dim, K-1],
-        ssm [nh, P, N]); written into `out` (tensors of those shapes and dtypes) when given, and returned."""
+        ssm [nh, P, N])."""
 
     @abstractmethod
     def restore(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]],
@@ -292,14 +291,8 @@ class HybridCache(Cache):
             raise ValueError(f"positions [{start}, {end}) are not within the {self.seq_len} stored")
         return [(kv.k[row, :, start:end].clone(), kv.v[row, :, start:end].clone()) for kv in self._kv_layers()]
 
-    def snapshot_mamba(self, row: int, out: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        if out is None:
-            return [(m.conv[row].clone(), m.ssm[row].clone()) for m in self._mamba_layers()]
-        for m, (conv, ssm) in zip(self._mamba_layers(), out):
-            conv.copy_(m.conv[row])
-            ssm.copy_(m.ssm[row])
-        return out
+    def snapshot_mamba(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(m.conv[row].clone(), m.ssm[row].clone()) for m in self._mamba_layers()]
 
     def restore(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]],
                 mamba: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

@@ -170,6 +170,7 @@ class PagedCache(Cache):
 
     def snapshot_mamba(self, row: int, out: list[tuple[torch.Tensor, torch.Tensor]] | None = None
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`Cache.snapshot_mamba`, written into `out` (a dropped snapshot's states: `StateSlots.read`) when given."""
         return self.slots.read(self.seqs[row].slot, out)
 
     def restore(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]],
