@@ -136,11 +136,11 @@ def test_a_bf16_expert_group_sends_its_inputs_of_min_rows_or_more_to_amx(monkeyp
     rows = [1, 40, 3, amx.MIN_ROWS - 1, amx.MIN_ROWS, bf16.DECODE_ROWS + 1, bf16.DECODE_ROWS]
     xs = [torch.randn(r, 2688, generator=g).bfloat16() for r in rows]
     packs = [ws[0], ws[1], ws[2], ws[3], ws[0], ws[3], ws[1]]
-    calls, real = [], amx.bf16_linear_group
-    monkeypatch.setattr(amx, "bf16_linear_group", lambda xs_, ws_: calls.append([x.shape[0] for x in xs_]) or real(xs_, ws_))
     ext = bf16.plain_kernel()
-    small, real_small = [], ext.bf16_linear_group
-    monkeypatch.setattr(ext, "bf16_linear_group", lambda xs_, ws_: small.append([x.shape[0] for x in xs_]) or real_small(xs_, ws_))
+    calls, small, real, real_small = [], [], amx.bf16_linear_group, ext.bf16_linear_group
+    monkeypatch.setattr(amx, "bf16_linear_group", lambda a, w: calls.append([x.shape[0] for x in a]) or real(a, w))
+    monkeypatch.setattr(ext, "bf16_linear_group",
+                        lambda a, w: small.append([x.shape[0] for x in a]) or real_small(a, w))
     for relu in (False, True):
         for x, w, y in zip(xs, packs, bf16.linear_group(xs, packs, relu=relu)):
             ref = x.double() @ w.double().T

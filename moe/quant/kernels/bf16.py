@@ -15,10 +15,10 @@ A weight is stored, once, in one of two forms (`pack`), and every product dispat
              one row and 1.2-5 at 4-16; on a CPU with AMX, those of `amx.MIN_ROWS` (8) to 16 rows (a server's
              decode step) take the AMX tiles instead (`amx.bf16_linear_group`), where the register kernel is
              bound by its dot products (a 6,176 x 1,024 weight at 16 rows from memory: 1.58 -> 0.65 ms; Nano's
-             10,304 x 2,688 in_proj at 8 rows: 3.4 -> 2.3 ms). Larger inputs run PyTorch's matmul, within 2-14% of oneDNN's
-             prepacked GEMM at 128-512 rows, except a group of experts' inputs on a CPU with AMX: one call
-             of `amx.bf16_linear_group` over all of them (a 512-token chunk's 128 Nano experts, ~24 rows
-             each: 300 -> 207-238 ms a layer against one `F.linear` per expert); without AVX512_BF16
+             10,304 x 2,688 in_proj at 8 rows: 3.4 -> 2.3 ms). Larger inputs run PyTorch's matmul, within
+             2-14% of oneDNN's prepacked GEMM at 128-512 rows, except a group of experts' inputs on a CPU
+             with AMX: one call of `amx.bf16_linear_group` over all of them (a 512-token chunk's 128 Nano
+             experts, ~24 rows each: 300 -> 207-238 ms a layer against one `F.linear` per expert); without AVX512_BF16
              (AVX2, or AVX-512 alone), where PyTorch's bf16 GEMM is 4-6x slower than its fp32 one, fp32
              GEMMs on 8 MB tiles of the weight widened to fp32 (`_fp32_tiles`, one tile buffer per call).
              Nothing is copied: a weight read from a checkpoint stays a view of its read-only memory map
@@ -99,10 +99,14 @@ def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool =
     for x in xs:
         if id(x) not in rows:
             rows[id(x)] = _rows(x)
-    tiled = [i for i, x in enumerate(xs) if amx.applies_bf16(rows[id(x)], packs[i])]
-    small = [x.numel() <= DECODE_ROWS * x.shape[-1] and i not in tiled for i, x in enumerate(xs)]
+    tiled, small = [], []  # the inputs for amx.bf16_linear_group, and those for the register kernel
+    for i, x in enumerate(xs):
+        if amx.applies_bf16(rows[id(x)], packs[i]):
+            tiled.append(i)
+        elif x.numel() <= DECODE_ROWS * x.shape[-1]:
+            small.append(i)
     ys: list[torch.Tensor | None] = [None] * len(xs)  # fp32 results of the kernels
-    for idx, run in (([i for i, s in enumerate(small) if s], ext.bf16_linear_group), (tiled, amx.bf16_linear_group)):
+    for idx, run in ((small, ext.bf16_linear_group), (tiled, amx.bf16_linear_group)):
         if idx:
             for i, y in zip(idx, run([rows[id(xs[i])] for i in idx], [packs[i] for i in idx])):
                 ys[i] = y

@@ -8,9 +8,9 @@
 // fp32 sums; the factors a bf16 cannot hold exactly (FP8's per-tensor or per-channel scale, NVFP4's global
 // scale) multiply the fp32 sums. Not covered here (the caller keeps the register kernels of cpu_packed.cpp):
 // FP8 128 x 128 blocks, fp32 inputs, MXFP4 scale bytes 0, 1 and 255 (E2M1 times 2^-127 or 2^-126 is a bf16
-// subnormal, which AMX reads as 0; 255 is NaN), K not a multiple of 32. bf16 weights (the routed experts of
-// a bf16 model, `moe.quant.kernels.bf16`) take the same loop with their rows as the A operand where they lie:
-// nothing decoded, nothing copied.
+// subnormal, which AMX reads as 0; 255 is NaN), K not a multiple of 32. bf16 weights (a bf16 model's routed
+// experts and its dense projections of 8 rows or more, `moe.quant.kernels.bf16`) take the same loop with their
+// rows as the A operand where they lie: nothing decoded, nothing copied.
 //
 // Built on first use by moe/quant/kernels/amx.py only where this CPU has AMX_BF16 (and the build -march=native).
 #include <ATen/core/Tensor.h>
@@ -29,13 +29,13 @@
 
 namespace {
 
-constexpr int64_t kSlab = 64;  // weight rows decoded per buffer: the N of one micro-kernel call
+constexpr int64_t kSlab = 64;  // weight rows decoded per buffer: the M of one micro-kernel call (C = W_slab x^T)
 // A bf16 weight's rows per micro-kernel call (read in place) for inputs of at most kFewRows rows, whose product
 // streams the weight from memory: 64 of Nano's 5,376-byte rows are 84 pages read at once, more streams than the
 // L2 prefetcher follows (10,304 x 2,688 at 8-16 input rows from memory: 2.3-2.5 ms in slabs of 32 rows, 3.8-4.7
 // in slabs of 64). Larger inputs keep kSlab: on weights in cache 32-row slabs were up to 20% slower.
 constexpr int64_t kSlabBf16Few = 32, kFewRows = 16;
-constexpr int64_t kRows = 32;  // input rows per micro-kernel call: its M
+constexpr int64_t kRows = 32;  // input rows per micro-kernel call: its N
 
 bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }  // oneDNN's AMX micro-kernels
 
