@@ -8,9 +8,9 @@ Caches keyed by it (the prefix cache's files) are never used for a model they we
 Every byte of every weight is read, so a change of one element anywhere (one value in the middle of one
 expert of one bank) gives another identity, as do another dtype, quantization or activation option. The
 digest is taken on first use (`HybridForCausalLM.identity`), not at load: hashing reads all the weights once
-(about 4 GB/s from a warm page cache on this project's 2-core machine: 2 s for the 8.4 GB nano-slice), a
-cost only a user of a cache keyed by it pays. xxh3 is not a cryptographic hash: the identity guards against
-using a cache with the wrong model by mistake, not against a crafted collision.
+(a time that grows with the checkpoint's bytes: docs/perf-log.md#identity-digest-rate), a cost only a user of
+a cache keyed by it pays. xxh3 is not a cryptographic hash: the identity guards against using a cache with the
+wrong model by mistake, not against a crafted collision.
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ from hybrid.speculative import speculative_generate_ids
 if TYPE_CHECKING:
     from hybrid.prefix_cache import PrefixCache
 
-# Prompt tokens per prefill forward. Measured on the 554M bench model (bf16, 2 threads, 8K prompt):
-# 512 -> 707-767 tok/s and 1.7 GB peak RSS; 2048 -> 630-667 tok/s and 2.1 GB (larger chunks only add
-# activation memory, the GEMMs are already efficient at 512 rows); 256 -> 674-686 tok/s.
+# Prompt tokens per prefill forward: 512 was the fastest of 256 / 512 / 2048 on the bench model, and larger
+# chunks only add activation memory, the GEMMs are already efficient at 512 rows
+# (docs/perf-log.md#prefill-chunk-size).
 PREFILL_CHUNK_SIZE = 512
 
 

@@ -18,10 +18,10 @@ of the map are then dropped from the process (`CheckpointFiles.release`), so loa
 model's identity (`HybridForCausalLM.identity`) is taken on first use, from the loaded tensors. A bf16 model on a CPU
 with bf16 kernels (`moe.quant.kernels.bf16`) is prepacked for inference as it is read (`moe.prepack`);
 where that is the plain form, its bf16 matrices are not copied at all but stay views of the read-only map
-(8.4 GB nano-slice: loading 6-7 s -> 0.9 s), read from the page cache by the first forward. Such an
-inference-only load (prepacked or mapped weights) maps every other tensor the file stores as the model
-holds it too (`_viewable`: the embeddings, norms, packed linears), so nothing of the weights is copied
-(the NVFP4 nano-slice: 240 MB of copies, loading 0.29 -> 0.15 s).
+(loading then touches no weight bytes: docs/perf-log.md#bf16-mmap-views), read from the page cache by the
+first forward. Such an inference-only load (prepacked or mapped weights) maps every other tensor the file
+stores as the model holds it too (`_viewable`: the embeddings, norms, packed linears), so nothing of the
+weights is copied (docs/perf-log.md#inference-load-views).
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ def load_model(
         act_quant: for a quantized checkpoint, also quantize-dequantize the inputs of packed matmuls
             (W8A8 / W4A4 emulation) instead of the default weight-only compute.
         prepack: bf16 on a CPU with bf16 kernels: hold the linear and expert weights for them
-            (`moe.prepack`, `moe.quant.kernels.bf16`; decode matrix-vector products 1.2-2.4x faster than
-            eager `F.linear`). The model is then for inference only; pass False to keep plain `nn.Linear`
-            modules (to quantize or train it).
+            (`moe.prepack`, `moe.quant.kernels.bf16`; decode matrix-vector products faster than eager
+            `F.linear`: docs/perf-log.md#bf16-decode-kernel). The model is then for inference only; pass
+            False to keep plain `nn.Linear` modules (to quantize or train it).
         progress: a progress bar on stderr when loading takes more than 2 s.
         mmap: where prepacking keeps bf16 matrices as they are in the file (the plain form), and for the
             packed experts of a quantized checkpoint on the CPU, keep them as views of the read-only memory

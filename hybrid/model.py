@@ -73,7 +73,8 @@ class Backbone(nn.Module):
     def __init__(self, config: HybridConfig):
         super().__init__()
         # built uninitialised (`build_model`): nn.Embedding's own normal_ init on the meta device imports
-        # torch._dynamo, 1.4 s of every load; the weights are always loaded or initialised next
+        # torch._dynamo, a cost on every load (docs/perf-log.md#embedding-uninit); the weights are always loaded
+        # or initialised next
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
                                        _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(Block(kind, config) for kind in config.hybrid_override_pattern)

@@ -191,7 +191,8 @@ def calibrate_streamed(files: CheckpointFiles, config: HybridConfig, dtype: torc
     each layer's weights read from `files` for its turn (a bank's experts one at a time) and dropped after.
     Records bit for bit what `calibrate` records on the loaded model (the same operations on the same
     numbers, only in another order). `progress`: the description of a tqdm bar over the layers (None: no
-    bar; a Nano-sized MoE layer takes about 30 s on 2 cores)."""
+    bar; a Nano-sized MoE layer takes long enough on a small CPU to want one:
+    docs/perf-log.md#calibration-progress)."""
     model = build_model(config, dtype)  # meta: names, shapes and dtypes
     stats = InputAmax()
 

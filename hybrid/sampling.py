@@ -170,10 +170,9 @@ def check_rank_draws(params: Sampling, sharded: bool) -> None:
 class PenaltyState:
     """A penalized row's token statistics, brought up to date with each new output token (`update`), so that
     applying its penalties costs a few small index operations a step; rebuilt from the whole prompt and output
-    at every step they cost O(prompt + output) Python work (a row a step at a 2K-token prompt and 300 outputs:
-    0.5 ms at V = 32K, 1.7 ms at 131K, against 86-105 us with the state; every step of every penalized request
-    a server runs). Sparse, like that recount: only the ids seen are touched (the same operations over the
-    whole vocabulary took longer than the recount at V = 131K).
+    at every step they cost O(prompt + output) Python work, on every step of every penalized request a server
+    runs (docs/perf-log.md#penalty-state). Sparse, like that recount: only the ids seen are touched (the same
+    operations over the whole vocabulary were slower than the recount at a large vocabulary: same entry).
 
     seen_ids [S] int64: the distinct ids of the prompt and the output so far (the repetition penalty's set);
     output_ids [U] int64 and output_counts [U] int64: the output's distinct ids and their occurrences

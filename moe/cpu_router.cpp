@@ -9,8 +9,9 @@
 //   ids = the top_k experts by `choice`, weights = scores[ids] (/ their sum + 1e-20 if norm) * scale
 // Every ranking is a stable descending sort's: ties go to the lower expert (or group) id, NaN ranks first.
 // A decode step routes 1 to 16 tokens: the product reads the [E, H] fp32 weight once at the bandwidth
-// (PyTorch's one-row sgemv read Nano's 1.4 MB router at 16 GB/s), and the selection replaces a dozen small
-// PyTorch operations. Built on first use by moe/router.py (moe.quant.kernels.build.build); PyTorch otherwise.
+// (PyTorch's one-row sgemv read Nano's router well below it), and the selection replaces a dozen small
+// PyTorch operations (docs/perf-log.md#router-kernel). Built on first use by moe/router.py
+// (moe.quant.kernels.build.build); PyTorch otherwise.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h

@@ -1,9 +1,9 @@
 """Prepack a model's bf16 weights for the CPU's bf16 kernels (inference), and back.
 
 `prepack(model)` swaps, in place, every bf16 `nn.Linear` for a `moe.quant.prepacked.PrepackedLinear` and
-every bf16 `moe.experts.ExpertBank` for a `PrepackedExpertBank` (decode matrix-vector products 1.2-2.4x
-faster than eager `F.linear` on an AVX-512-BF16 CPU; `moe.quant.kernels.bf16`). `unpack(model)` swaps
-them back (what quantizing or training needs).
+every bf16 `moe.experts.ExpertBank` for a `PrepackedExpertBank` (decode matrix-vector products faster
+than eager `F.linear` on an AVX-512-BF16 CPU: docs/perf-log.md#bf16-decode-kernel; `moe.quant.kernels.bf16`).
+`unpack(model)` swaps them back (what quantizing or training needs).
 """
 
 from __future__ import annotations

@@ -43,9 +43,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """One query per row over all of its keys: q [b, nq, 1, hd], k / v [b, nkv, S, hd] -> [b, nq, 1, hd]
     (q's dtype), softmax(q k^T hd^-0.5) v in fp32 with the nq / nkv query heads of a KV head grouped into
     one matrix product (no repeated keys). Equal to `scaled_dot_product_attention` up to rounding (fp32
-    sums). Why: on the CPU, PyTorch's SDPA of one bf16 query took 2.4 ms over 2K keys at 16 / 2 heads of
-    64 (0.23 in fp32), this 0.17: a 16-sequence decode step of the medium preset spent 0.48 of its 0.94 s
-    there."""
+    sums). Why: on the CPU, PyTorch's SDPA of one bf16 query is many times slower than this grouped fp32
+    product, and a many-sequence decode step of the medium preset spent much of its time there
+    (docs/perf-log.md#decode-attention-grouped)."""
     b, nq, _, hd = q.shape
     nkv = k.shape[1]
     scores = q.reshape(b, nkv, nq // nkv, hd).float() @ k.float().transpose(-1, -2) * hd ** -0.5  # [b, nkv, g, S]
@@ -67,8 +67,8 @@ def decode_kernel(q: torch.Tensor, k: torch.Tensor):
 def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """`decode_attention` (shapes and result as there), through the C++ kernel when it is built: the same
     fp32 math with the sums in another order, reading k and v where they lie (no fp32 copies; a paged cache's
-    rows without gathering them). A 16-sequence decode step of the medium preset over 2K keys, 2 threads:
-    0.29 ms per sequence and layer, against 0.48 for the gather and `decode_attention`."""
+    rows without gathering them): faster than the gather and `decode_attention` in a many-sequence decode step
+    (docs/perf-log.md#decode-attention-in-place)."""
     ext = decode_kernel(q, k)
     if ext is None or v.stride(-1) != 1 or v.stride() != k.stride():
         return decode_attention(q, k, v)

@@ -131,9 +131,8 @@ def mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias,
         RuntimeError: a segment outside the L rows, overlapping segments, widths that do not fit the pools.
 
     Equals the specification up to the order of fp32 sums (tests/test_mamba_kernel.py: 2e-6 of the output's
-    scale at Nano widths; the conv windows exactly). Measured on a 2-core Zen 4 at the `medium` preset's widths
-    (32 heads): 16 chunks of 25 tokens in 12 ms, one of 512 in 12 ms, where the PyTorch prefill takes 23 and
-    31 ms run per chunk (and 56 ms for the 16 chunks as padded batches in the engine).
+    scale at Nano widths; the conv windows exactly). Why one call: many short chunks cost it about what one long
+    chunk does, where the PyTorch prefill pays per chunk and per padded batch (docs/perf-log.md#mamba-chunk-kernel).
     """
     ext = _cpu.module() if xBC.device.type == "cpu" and xBC.dtype in (torch.float32, torch.bfloat16) else None
     if ext is None or not (conv.is_contiguous() and ssm.is_contiguous() and ssm.dtype == torch.float32

@@ -15,7 +15,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h (half the compile)
+// pybind11 with torch's casters: not all of torch/extension.h (a shorter compile: docs/perf-log.md#extension-headers)
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -81,7 +82,8 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 // The key or value rows t0 .. t0 + n - 1 as fp32 rows of hd: fp32 data where it lies, bf16 widened into buf.
 // The rows kAhead further (of L) are asked for meanwhile: a row is a few cache lines, often of a paged
-// pool's scattered blocks, and a core waiting on each in turn read 2 GB/s.
+// pool's scattered blocks, and a core waiting on each in turn reads far below the memory's bandwidth
+// (docs/perf-log.md#decode-attention-prefetch).
 constexpr int64_t kAhead = 64;
 template <typename T, typename Row>
 inline void fp32_rows(const T* data, Row row, int64_t t0, int64_t n, int64_t L, int64_t hd, float* buf,
@@ -111,10 +113,8 @@ inline void fp32_rows(const T* data, Row row, int64_t t0, int64_t n, int64_t L, 
 // so nothing is summed across lanes. Scores: for each key, sum_d broadcast(k_t[d]) * qT[d] (qT[d]: lane g
 // holds q[g, d] * scale), 8 keys at a time (8 independent sums); softmax lane by lane over the keys; then
 // out^T[d] += broadcast(v_t[d]) * p_t, 16 dimensions at a time held in registers over a block of keys.
-// Measured against the plain loops below (2 threads of an Intel Xeon with AVX-512, bf16 keys and values, the
-// dense entry): 16 sequences x 2,100 keys at 16 / 2 heads of 64 (the `medium` preset serving 16 users):
-// 4.5 -> 2.2 ms per call; one sequence at 32 / 2 heads of 128 (Nano's attention): 4,096 keys 2.2 -> 0.8 ms,
-// 32,768 keys 13.7 -> 4.2 ms.
+// Faster than the plain loops below at the `medium` preset's heads serving 16 users and at Nano's heads up to
+// 32K keys (docs/perf-log.md#decode-attention-lanes).
 template <typename T, typename Row>
 void attend(const float* q, int64_t G, int64_t hd, const T* k, const T* v, int64_t L, Row row, float scale,
             float* out) {

@@ -14,7 +14,8 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/zeros.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h (half the compile)
+// pybind11 with torch's casters: not all of torch/extension.h (a shorter compile: docs/perf-log.md#extension-headers)
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>

@@ -1,6 +1,7 @@
 // RMSNorm and the Mamba-2 mixer's grouped, gated RMSNorm, each row in one pass over memory and one call
 // (hybrid/ops/norm.py is the specification; there each norm is 4 to 10 PyTorch operations, and in a decode
-// step, after the weight streams have evicted the interpreter's and dispatcher's lines, each costs 10-40 us):
+// step, after the weight streams have evicted the interpreter's and dispatcher's lines, each operation's fixed
+// cost adds up: docs/perf-log.md#fused-norm):
 //   rms_norm:        out = (v * rsqrt(mean(v^2) + eps)) * w,               v = fp32(x)
 //   gated_rms_norm:  g = fp32(x) * silu(fp32(z)); per group of d / n_groups contiguous elements
 //                    out = (g * rsqrt(mean(g^2) + eps)) * w
@@ -10,7 +11,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h (half the compile)
+// pybind11 with torch's casters: not all of torch/extension.h (a shorter compile: docs/perf-log.md#extension-headers)
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>

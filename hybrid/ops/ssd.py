@@ -126,5 +126,6 @@ def ssd_step(
     # state = decay * state + (dt * x) outer B, in place: the state is the largest tensor a decode step
     # touches (1 MB per layer and sequence at 32 heads x 64 x 128), so it is read and written twice, no temporaries
     S.mul_(decay.view(b, g, h // g, 1, 1)).addcmul_((x.float() * dt[..., None]).view(b, g, h // g, p, 1), B)
-    y = torch.linalg.vecdot(S, C.float().view(b, g, 1, 1, n))  # y = state C (a batched matmul here is 4x slower)
+    # y = state C by vecdot: a batched matmul is slower here (docs/perf-log.md#ssd-decode-vecdot)
+    y = torch.linalg.vecdot(S, C.float().view(b, g, 1, 1, n))
     return y.view(b, h, p)

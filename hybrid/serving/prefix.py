@@ -46,8 +46,8 @@ MAX_SPARE = 2  # dropped snapshots' Mamba states kept for reuse (outside max_byt
 
 def block_digest(parent: str, tokens: list[int]) -> str:
     """The name of a block of `tokens` following the prefix named `parent` (sha256 over the parent's name and
-    the tokens as little-endian int64; packed by `struct`: 1 us a block where a tensor's bytes took 6, and a
-    2K-token prompt has 128 blocks)."""
+    the tokens as little-endian int64; packed by `struct`, cheaper than a tensor's bytes, and a 2K-token prompt
+    has 128 blocks: docs/perf-log.md#block-digest-struct)."""
     return hashlib.sha256(parent.encode() + struct.pack(f"<{len(tokens)}q", *tokens)).hexdigest()
 
 
@@ -105,7 +105,8 @@ class PrefixCaching:
         self.hits = self.queries = self.cached_tokens = 0
         self._pending: dict[str, Snapshot] = {}  # request id -> the snapshot it resumes from
         # the Mamba states of dropped snapshots, written again by the next ones: an 11 MB snapshot of the medium
-        # preset (47 MB for Nano) cloned into fresh pages costs their page faults, 2-3 ms a request on 2 cores
+        # preset (47 MB for Nano) cloned into fresh pages costs their page faults
+        # (docs/perf-log.md#snapshot-spare-states)
         self._spare: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
 
     # ------------------------------------------------------------------------------------------ names

@@ -10,10 +10,10 @@ Which thread: `hybrid serve` runs the loop (`run`) on the main thread, the one t
 uvicorn on another. Every thread that has run an OpenMP region keeps a pool of OpenMP workers while it
 lives, and libgomp cuts its workers' spin-wait to almost nothing once it manages more threads than there
 are CPUs: a second thread running torch's ops beside a living main thread that already ran some (the
-model's load) turns every parallel region into futex sleeps and wake-ups. On this 2-core machine an
-elementwise op took 0.49 ms on such a second thread against 0.29 ms on the main one, and a 16-sequence
-decode step of the medium model (bf16 through oneDNN) 0.45 s against 0.25 s. `own_thread=True` (tests, embedding) starts a
-thread of its own instead.
+model's load) turns every parallel region into futex sleeps and wake-ups, which made elementwise ops and whole
+decode steps markedly slower on a second thread than on the main one
+(docs/perf-log.md#engine-loop-main-thread). `own_thread=True` (tests, embedding) starts a thread of its own
+instead.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ Each step has a budget of `max_num_batched_tokens` tokens (vLLM's name), spent i
    next multiple of the snapshot interval, where its Mamba state is snapshotted). A chunk the budget would
    cut short of that end (or of the prompt's) by no more than the step's decode tokens runs to it: the step
    then holds up to `max_num_seqs - 1` tokens over the budget, and a long prompt takes one forward per chunk
-   as without snapshots (vLLM's chunked prefill) instead of a chunk and a sliver. With 15 sequences decoding
-   on the medium preset an 8K prompt went 497 + 15 tokens a pair of steps (0.53 + 0.14 s) and now 512 in one
-   (~0.58 s): its first token 12.1 -> 9.8 s, the streams one token per chunk instead of two per pair (their
-   ITL p50 during it 0.35 -> 0.58 s, p99 0.66 -> 0.67); the same work per second either way;
+   as without snapshots (vLLM's chunked prefill) instead of a chunk and a sliver. The trade: the long prompt's
+   first token comes sooner, while the streams decoding beside it get one token per chunk instead of two per
+   pair of steps (a longer inter-token latency meanwhile); the same work per second either way
+   (docs/perf-log.md#chunk-to-snapshot);
 2. then the waiting requests, first come first served, while a state slot is free, fewer than
    `max_num_seqs` run, the budget lasts and the free KV blocks hold their first chunk. A request resumes from
    its longest cached prefix (`hybrid.serving.prefix`) when admitted.

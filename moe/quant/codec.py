@@ -36,8 +36,9 @@ def by_row_slices(quantize, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`quantize(w)` computed on slices of w's rows (dim -2) of about `SLICE_ELEMENTS` weights each, its output
     tensors concatenated along dim -2. Equal to `quantize(w)` bit for bit when each output row depends on its
     own input row alone (a block-scaled format, with any tensor-wide number computed beforehand), while the
-    temporaries stay those of one slice: quantizing a 10,304 x 2,688 matrix to NVFP4 at once took 489 MB
-    beyond its 53 MB of bf16. `quantize`: w [..., rows, in] -> a tuple of [..., rows, *] tensors."""
+    temporaries stay those of one slice: quantizing a 10,304 x 2,688 matrix to NVFP4 at once took temporaries
+    many times its own bf16 bytes (docs/perf-log.md#quantize-row-slices). `quantize`: w [..., rows, in] -> a
+    tuple of [..., rows, *] tensors."""
     row = math.prod(w.shape[:-2]) * w.shape[-1] if w.dim() >= 2 else 0  # weights per row index (all matrices)
     rows = max(1, SLICE_ELEMENTS // row) if row else 0
     if not rows or w.shape[-2] <= rows:

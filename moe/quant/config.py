@@ -109,7 +109,8 @@ class QuantConfig:
         """One regex that matches a module name some exclusion pattern matches (a `re:` pattern from the start of
         the name, a wildcard the name or one of its ancestors: the name up to a dot), so that the common case, a
         module that is not excluded, takes one match instead of a wildcard per pattern and ancestor (Nemotron 3
-        Super's 40 x 512 experts against its exclusions took 50 s). Compiled again when `exclude` changes."""
+        Super's 40 x 512 experts against its exclusions were slow that way: docs/perf-log.md#exclusion-regex).
+        Compiled again when `exclude` changes."""
         key = tuple(self.exclude)
         if self.__dict__.get("_exclusions_key") != key:
             parts = [f"(?:{p[3:]})" if p.startswith("re:") else

@@ -8,8 +8,8 @@ the fp32 sums.
 Where it applies (`moe.quant.kernels.cpu.linear_group` asks): a bf16 input of at least `MIN_ROWS` rows (a
 prefill chunk, or an expert's share of one), FP8 with per-tensor or per-channel scales, NVFP4, MXFP4 (not a
 weight with a scale byte 0, 1 or 255), K a multiple of 32, and a CPU with AMX_BF16 on which PyTorch's oneDNN
-runs its AMX micro-kernels. Elsewhere the register kernels run. Measured on a 2-core Xeon with AMX at Nano's
-widths: see the README's speed section.
+runs its AMX micro-kernels. Elsewhere the register kernels run. Why: at prefill sizes the AMX tiles beat the
+register kernels on Nano's matrices (docs/perf-log.md#amx-prefill).
 
 bf16 weights (`bf16_linear_group`: a bf16 model's experts and dense projections of 8 rows or more, from
 `moe.quant.kernels.bf16`) take the same loop with their rows as the A operand where they lie (32 rows a call for
@@ -31,8 +31,8 @@ import torch
 from moe.quant.kernels.build import FLAGS, build, cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu_amx.cpp")
-MIN_ROWS = 8  # below, the register kernels are faster (decoding the slabs is this path's fixed cost): crossover
-# measured between 4 and 8 rows on Nano's matrices, AMX 1.35-1.8x faster at 8 (README)
+MIN_ROWS = 8  # below, the register kernels are faster on Nano's matrices (decoding the slabs is this path's fixed
+# cost): docs/perf-log.md#amx-rows
 
 
 @functools.cache

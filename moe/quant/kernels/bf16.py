@@ -6,21 +6,19 @@ A weight is stored, once, in one of two forms (`pack`), and every product dispat
     plain    the [out, in] matrix as it is, where the packed-weight extension has its bf16 kernel
              (`moe.quant.kernels.cpu`: AVX512_BF16 + AVX512_VBMI dot products, or on AVX-512 CPUs without
              them and on AVX2 + FMA ones, the weights widened to fp32 in registers, as llama.cpp's AVX2 path
-             does; on a 2-core AVX-512 Xeon without AVX512_BF16, where oneDNN emulates bf16, PyTorch's
-             product of a 4096 x 1024 weight at 16 rows took 2.9 ms against 1.2 in fp32). Inputs
-             of up to `DECODE_ROWS` rows (decode) run there, streaming the weight at about 30 GB/s on
-             this project's AVX-512 2-core machine where oneDNN's prepacked product reads it at 19-25
-             (Nano's 1,856 x 2,688 expert projections, 10,304 x 2,688 Mamba in_proj and 32K x 2,688 head,
-             from DRAM), and at 22-34 GB/s on a 2-core AVX2 EPYC where PyTorch's `F.linear` reads 11-18 at
-             one row and 1.2-5 at 4-16; on a CPU with AMX, those of `amx.MIN_ROWS` (8) to 16 rows (a server's
-             decode step) take the AMX tiles instead (`amx.bf16_linear_group`), where the register kernel is
-             bound by its dot products (a 6,176 x 1,024 weight at 16 rows from memory: 1.58 -> 0.65 ms; Nano's
-             10,304 x 2,688 in_proj at 8 rows: 3.4 -> 2.3 ms). Larger inputs run PyTorch's matmul, within
-             2-14% of oneDNN's prepacked GEMM at 128-512 rows, except a group of experts' inputs on a CPU
-             with AMX: one call of `amx.bf16_linear_group` over all of them (a 512-token chunk's 128 Nano
-             experts, ~24 rows each: 300 -> 207-238 ms a layer against one `F.linear` per expert); without AVX512_BF16
-             (AVX2, or AVX-512 alone), where PyTorch's bf16 GEMM is 4-6x slower than its fp32 one, fp32
-             GEMMs on 8 MB tiles of the weight widened to fp32 (`_fp32_tiles`, one tile buffer per call).
+             does; where oneDNN emulates bf16, as on AVX-512 without AVX512_BF16, PyTorch's bf16 product
+             is slower than its fp32 one: docs/perf-log.md#bf16-avx512-widen). Inputs of up to
+             `DECODE_ROWS` rows (decode) run there, streaming the weight from DRAM faster than oneDNN's
+             prepacked product on AVX-512 (docs/perf-log.md#bf16-decode-kernel) and than PyTorch's
+             `F.linear` on AVX2 (docs/perf-log.md#bf16-avx2); on a CPU with AMX, those of `amx.MIN_ROWS`
+             (8) to 16 rows (a server's decode step) take the AMX tiles instead (`amx.bf16_linear_group`),
+             where the register kernel is bound by its dot products (docs/perf-log.md#amx-bf16-rows).
+             Larger inputs run PyTorch's matmul, close to oneDNN's prepacked GEMM at prompt sizes
+             (docs/perf-log.md#bf16-decode-kernel), except a group of experts' inputs on a CPU with AMX:
+             one call of `amx.bf16_linear_group` over all of them, faster than one `F.linear` per expert
+             (docs/perf-log.md#amx-bf16-experts); without AVX512_BF16 (AVX2, or AVX-512 alone), where
+             PyTorch's bf16 GEMM is several times slower than its fp32 one, fp32 GEMMs on 8 MB tiles of the
+             weight widened to fp32 (`_fp32_tiles`, one tile buffer per call; docs/perf-log.md#bf16-avx2).
              Nothing is copied: a weight read from a checkpoint stays a view of its read-only memory map
              (as llama.cpp maps its GGUF), so loading does not touch the bytes and the first forward reads
              them from the OS page cache; the model and the page cache share one copy. (The checkpoint
@@ -122,8 +120,8 @@ def linear_group(xs: list[torch.Tensor], packs: list[torch.Tensor], relu: bool =
 def _fp32_tiles(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, K] bf16 @ w [N, K] bf16 .T -> [R, N] fp32 through fp32 GEMMs on `PREFILL_TILE_BYTES` of w widened
     at a time (exact products, fp32 sums, as the kernel's; no whole fp32 copy of w), each written into its
-    columns of the row-major result. On a 2-core AVX2 EPYC, at 64-512 rows of Nano's projections: 86-145
-    GFLOP/s, against 20-21 for PyTorch's bf16 `F.linear` and 87-90 for the decode kernel."""
+    columns of the row-major result. Without AVX512_BF16, at prompt sizes of Nano's projections, far faster
+    than PyTorch's bf16 `F.linear` and no slower than the decode kernel (docs/perf-log.md#bf16-avx2)."""
     xf = x.float()
     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
     step = max(1, PREFILL_TILE_BYTES // (4 * w.shape[1]))
@@ -143,8 +141,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _from_kernel(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, relu: bool) -> torch.Tensor:
     """The kernel's fp32 [rows, out] (a fresh tensor, changed in place) for x [..., in] -> [..., out] bf16,
     contiguous, the bias added and ReLU applied first. (When the fp32 tiles returned a transposed view, its
-    layout, tokens innermost, reached the attention: PyTorch's CPU attention of a 497-token chunk over 6K
-    keys took 0.33 s per layer on it, 0.07 on a contiguous one.)"""
+    layout, tokens innermost, reached the attention, and PyTorch's CPU attention ran several times slower on
+    it than on a contiguous one: docs/perf-log.md#fp32-tiles-row-major.)"""
     if bias is not None:
         y = y.add_(bias)
     if relu:

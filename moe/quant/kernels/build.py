@@ -92,7 +92,7 @@ def _our_ninja_first():
     project installs (a dependency) first. Without it, `.venv/bin/hybrid` run without the environment activated
     (or a subprocess with a bare PATH) finds another ninja, or none (no build: the slow PyTorch path); and two
     ninja versions taking turns on one cache directory rebuild from scratch each time the older follows the
-    newer (measured: ninja 1.11 after 1.13 recompiled a kernel at every start, 30-70 s each on 2 cores)."""
+    newer (observed: ninja 1.11 after 1.13 recompiled a kernel at every start, docs/perf-log.md#ninja-version)."""
     try:
         import ninja
 

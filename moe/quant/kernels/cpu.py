@@ -2,9 +2,9 @@
 its bf16 x bf16 dot-product kernel serves `moe.quant.kernels.bf16`).
 
 Each weight is read once per call in its packed form and decoded in registers; no dequantized copy exists,
-for any number of input rows (decode: 1 to 16; a 512-token prefill chunk: measured as fast as dequantizing
-then multiplying at Nano's widths, NVFP4 faster). The result equals the product with the exactly dequantized
-weight up to the order of the fp32 sums (tests/test_cpu_kernels.py, at Nano's widths).
+for any number of input rows (decode: 1 to 16; a 512-token prefill chunk: no slower than dequantizing then
+multiplying at Nano's widths, docs/perf-log.md#packed-prefill). The result equals the product with the exactly
+dequantized weight up to the order of the fp32 sums (tests/test_cpu_kernels.py, at Nano's widths).
 
 Four paths, chosen at compile time by this CPU's features (`module().path()` names the one built):
 "avx512-bf16" (AVX512_BF16 + AVX512_VBMI: bf16 inputs stay bf16, exact bf16 dot products into fp32 sums),
@@ -12,13 +12,13 @@ Four paths, chosen at compile time by this CPU's features (`module().path()` nam
 CPUs: E4M3 decoded through fp16, E2M1 through a byte table and fp16, fp32 FMAs on 8 lanes) and "scalar" (plain
 loops, table lookups) elsewhere; inputs are fp32 on all but the first.
 
-The extension is compiled on first use (never at import; a message says so; about 30 s), with -O3
--march=native, into `~/.cache/hybrid/kernels/<name>`, where the name is a digest of the source, the torch
-version and install (each virtual environment's torch has its own headers: torch's builder would otherwise
-recompile silently on the first use from a new one), and this CPU's feature flags, so a build is never used
-for another source, torch or CPU. If it cannot be built (no compiler, no ninja) or `HYBRID_CPU_KERNELS=0` is
-set, `module()` is None and the packed modules keep the PyTorch reference (dequantize, then matmul), which
-stays tested.
+The extension is compiled on first use (never at import: a build takes a while,
+docs/perf-log.md#kernel-build-time; a message says so), with -O3 -march=native, into
+`~/.cache/hybrid/kernels/<name>`, where the name is a digest of the source, the torch version and install (each
+virtual environment's torch has its own headers: torch's builder would otherwise recompile silently on the
+first use from a new one), and this CPU's feature flags, so a build is never used for another source, torch or
+CPU. If it cannot be built (no compiler, no ninja) or `HYBRID_CPU_KERNELS=0` is set, `module()` is None and the
+packed modules keep the PyTorch reference (dequantize, then matmul), which stays tested.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ namespace {
 constexpr int64_t kSlab = 64;  // weight rows decoded per buffer: the M of one micro-kernel call (C = W_slab x^T)
 // A bf16 weight's rows per micro-kernel call (read in place) for inputs of at most kFewRows rows, whose product
 // streams the weight from memory: 64 of Nano's 5,376-byte rows are 84 pages read at once, more streams than the
-// L2 prefetcher follows (10,304 x 2,688 at 8-16 input rows from memory: 2.3-2.5 ms in slabs of 32 rows, 3.8-4.7
-// in slabs of 64). Larger inputs keep kSlab: on weights in cache 32-row slabs were up to 20% slower.
+// L2 prefetcher follows. Larger inputs keep kSlab: on weights in cache 32-row slabs were slower
+// (docs/perf-log.md#amx-slab-rows).
 constexpr int64_t kSlabBf16Few = 32, kFewRows = 16;
 constexpr int64_t kRows = 32;  // input rows per micro-kernel call: its N
 

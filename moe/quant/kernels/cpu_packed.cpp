@@ -25,7 +25,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 with torch's casters: not all of torch/extension.h (half the compile)
+// pybind11 with torch's casters: not all of torch/extension.h (a shorter compile: docs/perf-log.md#extension-headers)
+#include <torch/csrc/utils/pybind.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -178,10 +179,9 @@ inline __m512i e4m3_fp16(__m256i bytes) {  // 32 bytes
 }
 
 // 32 E4M3 bytes -> 32 fp32 equal to e4m3(b) * 2^-8 (e4m3_fp16, widened).
-// The former decoder (the bits shifted into fp32's fields, then times 2^120, 13 instructions per 16) read,
-// on an Intel core without AVX512_BF16, 2 threads, Nano's 1,856 x 2,688 experts at one input row: 1.0 GB/s
-// of random bytes (1 in 16 subnormal), 9.2 of block-quantized Gaussian weights; this one 15.1 and 17-21
-// (15.1 / 9.2 at 4 rows, 2.4 / 1.7 at 16). NaN codes: callers check the bytes.
+// The former decoder (the bits shifted into fp32's fields, then times 2^120, 13 instructions per 16) formed
+// fp32 subnormals and was slower, on subnormal-rich bytes by far (docs/perf-log.md#e4m3-fp16-decode).
+// NaN codes: callers check the bytes.
 inline void decode_e4m3_scaled(__m256i bytes, __m512& lo, __m512& hi) {
   const __m512i h = e4m3_fp16(bytes);
   lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
@@ -201,8 +201,8 @@ inline __m512 decode_e8m0(__m128i bytes) {  // 16 E8M0 bytes -> 16 fp32: the exp
 // meets every input row and each input vector every weight row while they are in registers (or L1), and the
 // NT x RT accumulators are independent (no single dependency chain). A tile past the last weight
 // row repeats that row; its results are dropped.
-// NT is 8 for a single input row (eight weight streams keep DRAM busier: 31 -> 33-37 GB/s on the bf16 decode
-// of Nano's matrices) and 4 for more (8 x 4 accumulators would not fit the 32 vector registers).
+// NT is 8 for a single input row (eight weight streams keep DRAM busier: docs/perf-log.md#decode-tile-rows)
+// and 4 for more (8 x 4 accumulators would not fit the 32 vector registers).
 constexpr int kTileN = 8, kTileR = 4;  // the largest tile
 inline int tile_rows(int64_t R) { return R == 1 ? 8 : 4; }
 
@@ -241,9 +241,8 @@ std::vector<at::Tensor> parallel_tiles(const std::vector<Job>& jobs) {
 
 // A tile reads its NT weight rows as as many short streams, and the hardware prefetchers lose the pace
 // at each jump to the next tile; asking for the same bytes of the next tile's rows (the rows are
-// contiguous: `tile_bytes` further) one tile ahead, into L2, keeps DRAM busy. Measured on the
-// FP8 decode of Nano's 1,856 x 2,688 expert projections (2 threads, 120 MB of weights): 22 -> 31 GB/s, the
-// bandwidth of a PyTorch sum on the same machine being 33.
+// contiguous: `tile_bytes` further) one tile ahead, into L2, keeps DRAM busy: the FP8 decode then reads close
+// to the machine's bandwidth (docs/perf-log.md#fp8-prefetch).
 inline void prefetch_next_tile(const uint8_t* p, int64_t tile_bytes) {
 #if defined(__AVX512F__) || defined(HYBRID_AVX2)
   _mm_prefetch(reinterpret_cast<const char*>(p + tile_bytes), _MM_HINT_T1);
@@ -512,13 +511,11 @@ alignas(32) constexpr uint8_t kE2M1Bf16Low[32] = {
 // the low bytes of their bf16 forms, `vpunpck*bw` pairs them into bf16 words and `vpunpck*wd` beside a zero
 // word makes fp32. Vectors 0 and 1 hold elements 0..15 of the step (the first NVFP4 block), 2 and 3 elements
 // 16..31. Each block's products are summed unscaled and one FMA applies its scale, as in the AVX-512 path
-// (an NVFP4 block: 3 vector ops per row for 16 weights where scaling each decoded vector took 4). Measured
-// on Nano's 1,856 x 2,688 experts (6 of 48 a call, 2 threads, alternated in one process, a 2-core AMD EPYC of
-// family 23 model 1 without AVX-512) against the former decoder (`vpshufb` to fp16 high bytes, 4 `vpunpck`
-// and 4 `vcvtph2ps` per 32 weights, each decoded vector multiplied by its scale): NVFP4 1.84 -> 2.24 GB/s of
-// packed bytes at one input row, MXFP4 2.31 -> 2.84 (1.22-1.23x); 4 rows 1.07-1.13x, 16 rows 1.05-1.13x.
-// Tried and no faster there (within the noise of 80 alternated calls): 4 weight rows at a time instead of 8
-// for one input row; fp32 made by a shift and a mask of the bf16 pairs instead of the two word unpacks.
+// (an NVFP4 block: 3 vector ops per row for 16 weights where scaling each decoded vector took 4). Faster than
+// the former decoder (`vpshufb` to fp16 high bytes, 4 `vpunpck` and 4 `vcvtph2ps` per 32 weights, each decoded
+// vector multiplied by its scale), most at one input row (docs/perf-log.md#fp4-scale-fma-avx2). Tried and no
+// faster there (same entry): 4 weight rows at a time instead of 8 for one input row; fp32 made by a shift and
+// a mask of the bf16 pairs instead of the two word unpacks.
 // A K that is an odd multiple of 16 ends with a step of 8 bytes, decoded the same way (vectors 0 and 1).
 template <int JB, int RT, int GROUP>
 void fp4_rows_avx2(const uint8_t* const* codes, const uint8_t* const* scales, int64_t next_codes,
@@ -740,7 +737,7 @@ template <int NT, int RT>
 void fp8_tile(const uint8_t* const* w, int64_t ldw, const float* x, int64_t ldx, int64_t len,
               float part[kTileN][kTileR]) {
 #if defined(__AVX512F__)
-  // 64 elements a step (one load and one NaN check of 64 bytes: 6-12% more bytes per second than 32 a step),
+  // 64 elements a step (one load and one NaN check of 64 bytes: faster than 32 a step, docs/perf-log.md#fp8-step-64),
   // then 32 a step, the last one masked (masked bytes are 0, decoding to +0, and x is not read past len);
   // the sums run on e4m3 * 2^-8 and are multiplied by 2^8 at the end (exact, as in fp8_rows_avx2)
   __m512 acc[NT][RT];
@@ -965,14 +962,12 @@ void fp4_tile(const Fp4Rows& w, const float* xs, int64_t ldx, int64_t K, int64_t
 #if defined(__AVX512F__)
   // A chunk is 64 code bytes, one load per weight row: vector k of its decoded weights is a table permute
   // (`vpermps` reads the low 4 bits of each 32-bit lane) of the bytes shifted right by 4k, so no widening;
-  // each lane sums 8 elements of one block unscaled, then one FMA applies the blocks' scales. Measured on
-  // Nano's 1,856 x 2,688 experts (48 of them, 2 threads, one input row, alternated in one process, an Intel
-  // core without AVX512_BF16): NVFP4 11.2 -> 14.4 GB/s of packed bytes, MXFP4 12.6-13.3 -> 15.5-16.0, against
-  // the former decoder (nibbles widened 16 at a time, every decoded vector multiplied by its scale); equal
-  // at 4 and 16 rows. This path is bound by its vector ports (a shift, a permute and an FMA per 16
-  // weights), not by DRAM; two half-length FMA chains per row and k as the outer loop were both slower.
-  // With AVX512_VBMI, MXFP4's scales in 3 instructions instead of 8 (e8m0_chunk_scales): 14.5-15.2 ->
-  // 16.1-16.3 GB/s at one row (6 experts a call, 48 of them), 7.4-7.6 -> 7.8-8.0 at 4 rows.
+  // each lane sums 8 elements of one block unscaled, then one FMA applies the blocks' scales: faster at one
+  // input row than the former decoder (nibbles widened 16 at a time, every decoded vector multiplied by its
+  // scale), equal at 4 and 16 rows (docs/perf-log.md#fp4-scale-fma-avx512). This path is bound by its vector
+  // ports (a shift, a permute and an FMA per 16 weights), not by DRAM; two half-length FMA chains per row and
+  // k as the outer loop were both slower (same entry). With AVX512_VBMI, MXFP4's scales in 3 instructions
+  // instead of 8 (e8m0_chunk_scales), faster at 1 and 4 rows (docs/perf-log.md#e8m0-vbmi-scales).
   const int64_t chunks = (K + 127) / 128, per_chunk = 128 / group;
   const __m512 lut = _mm512_loadu_ps(kE2M1);
   [[maybe_unused]] __m128i seen_min = _mm_set1_epi8(-1), seen_max = _mm_setzero_si128();  // e8m0_chunk_scales

@@ -1,13 +1,13 @@
 """bf16 matrix products on the CPU through oneDNN, with the weight reordered once into its blocked layout.
 
-Why: on an AVX-512-BF16 CPU (2 threads), eager `x @ W.T` with a bf16 weight reads the weight at 20-26 GB/s
-when x is a single row (decode), while oneDNN's inner-product primitive on a prepacked weight reads it at
-28 GB/s (640 x 1024, an expert) to 46 GB/s (12352 x 2048), and runs prompt-sized GEMMs at about 430
-GFLOP/s (measured; `scripts/bench.py` shows the effect on whole models). This is the path PyTorch's
-inductor takes for frozen bf16 linears on CPU. It is one of the two stored forms of the prepacked modules
-(`moe.quant.prepacked.PrepackedLinear`, `moe.experts.PrepackedExpertBank`; `moe.quant.kernels.bf16` picks):
-the one for CPUs without this project's bf16 dot-product kernel (on Nano's matrices from DRAM, at one row,
-that kernel reads 30-46 GB/s where this path reads 19-31 in the same run).
+Why: on an AVX-512-BF16 CPU, oneDNN's inner-product primitive on a prepacked weight reads the weight faster
+than eager `x @ W.T` with a bf16 weight when x is a single row (decode), more so for larger matrices, and
+runs prompt-sized GEMMs fast too (docs/perf-log.md#onednn-prepacked; `scripts/bench.py` shows the effect
+on whole models). This is the path PyTorch's inductor takes for frozen bf16 linears on CPU.
+It is one of the two stored forms of the prepacked modules (`moe.quant.prepacked.PrepackedLinear`,
+`moe.experts.PrepackedExpertBank`; `moe.quant.kernels.bf16` picks): the one for CPUs without this project's
+bf16 dot-product kernel, which reads Nano's matrices from DRAM faster than this path at one row
+(docs/perf-log.md#bf16-decode-kernel).
 
 Private PyTorch operators used here (and nowhere else): `torch.ops.mkldnn._reorder_linear_weight`,
 `torch.ops.mkldnn._linear_pointwise`, `torch.ops.mkldnn._is_mkldnn_bf16_supported`.
