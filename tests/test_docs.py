@@ -38,7 +38,6 @@ FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\s?(?:ms|us|µs|GB/s|MB/s|tok/
                     r"|\d(?:\.\d+)?x faster", re.IGNORECASE)
 FENCE = re.compile(r"^\s*```+\s*([\w+-]*)")
 SHELL_LANGS = {"bash", "sh", "shell", "console", ""}
-SHELL_OPERATORS = {"&&", "||", ";", "|", "<", ">", ">>", "2>", "&"}
 
 
 def doc_files() -> list[Path]:
@@ -68,10 +67,11 @@ def strip_inline_code(line: str) -> str:
 
 # ---- command lines ----
 
-def command_lines(text: str) -> list[tuple[int, list[str]]]:
+def command_lines(text: str) -> list[tuple[int, list[str] | None]]:
     """The `hybrid` argument lists of every command in a shell code block, with their line numbers: lines
     starting with `hybrid`, or running `-m hybrid` (python, torchrun), continued by a trailing backslash; each
-    part between `&&`, `|`, `;` and redirections on its own."""
+    part between `&&`, `|`, `;` and redirections on its own. None for a line naming `hybrid` that is not a
+    shell command line (an unbalanced quote)."""
     found = []
     for lang, first, lines in split_blocks(text)[1]:
         if lang not in SHELL_LANGS:
@@ -84,7 +84,11 @@ def command_lines(text: str) -> list[tuple[int, list[str]]]:
                 joined += line.rstrip()[:-1] + " "
                 continue
             joined += line
-            found += [(start, args) for args in _hybrid_commands(joined)]
+            try:
+                found += [(start, args) for args in _hybrid_commands(joined)]
+            except ValueError:  # shlex: no closing quotation
+                if "hybrid" in joined:
+                    found.append((start, None))
             joined, start = "", None
     return found
 
@@ -92,22 +96,21 @@ def command_lines(text: str) -> list[tuple[int, list[str]]]:
 def _hybrid_commands(line: str) -> list[list[str]]:
     lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
     lexer.whitespace_split, lexer.commenters = True, "#"
-    try:
-        tokens = list(lexer)
-    except ValueError:  # an unbalanced quote: not a command this check reads
-        return []
-    parts, part = [], []
+    tokens = list(lexer)
+    parts, part, redirected = [], [], False
     for token in tokens:
-        if token in SHELL_OPERATORS or set(token) <= set("&|;<>"):
+        if redirected:  # the file of `< prompt.txt`
+            redirected = False
+        elif set(token) <= set("<>"):
+            redirected = True
+        elif set(token) <= set("&|;"):
             parts.append(part)
             part = []
         else:
             part.append(token)
     parts.append(part)
     commands = []
-    for i, part in enumerate(parts):
-        if i and tokens and parts[i - 1] is not None and _after_redirect(line, part):
-            continue
+    for part in parts:
         if part[:1] == ["hybrid"]:
             commands.append(part[1:])
         elif "-m" in part and part[part.index("-m") + 1:part.index("-m") + 2] == ["hybrid"]:
@@ -115,16 +118,14 @@ def _hybrid_commands(line: str) -> list[list[str]]:
     return commands
 
 
-def _after_redirect(line: str, part: list[str]) -> bool:
-    """Whether `part` is the file of a redirection (`< prompt.txt`), not a command."""
-    return bool(part) and re.search(r"[<>]\s*" + re.escape(part[0]), line) is not None
-
-
 def command_problems(path_name: str, text: str) -> list[str]:
     from hybrid.cli import build_parser
 
     problems = []
     for number, args in command_lines(text):
+        if args is None:
+            problems.append(f"{path_name}:{number}: not a shell command line (an unbalanced quote?)")
+            continue
         stderr = io.StringIO()
         try:
             with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
@@ -309,12 +310,14 @@ def test_readme_python_example_runs():
 # ---- each checker catches a deliberately broken input ----
 
 def test_checkers_catch_a_broken_example_line():
-    broken = "```bash\nhybrid generate --prompt hi --no-such-option 1\nhybrid serve --port 99999\n```\n"
-    assert len(command_problems("broken.md", broken)) == 2
+    broken = ("```bash\nhybrid generate --prompt hi --no-such-option 1\nhybrid serve --port 99999\n"
+              "hybrid generate --prompt \"unclosed\n```\n")
+    assert [p.split(":")[1] for p in command_problems("broken.md", broken)] == ["2", "3", "4"]
     fine = ("```bash\nhybrid generate --prompt - --json < prompt.txt   # a comment\n"
-            "torchrun --nproc-per-node 2 -m hybrid generate m \\\n    --prompt hi\n```\n")
+            "torchrun --nproc-per-node 2 -m hybrid generate m \\\n    --prompt hi\n"
+            "pip install -e . && hybrid info --json | head -3\n```\n")
     assert command_lines(fine) == [(2, ["generate", "--prompt", "-", "--json"]),
-                                   (3, ["generate", "m", "--prompt", "hi"])]
+                                   (3, ["generate", "m", "--prompt", "hi"]), (5, ["info", "--json"])]
     assert command_problems("fine.md", fine) == []
 
 
