@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hybrid.checkpoint_files import CheckpointError, CheckpointFiles, resolve_checkpoint
-from hybrid.config import MAMBA, ConfigError, HybridConfig
+from hybrid.config import ConfigError, HybridConfig
 from hybrid.dtypes import torch_dtype
 from hybrid.model import HybridForCausalLM
 from hybrid import parallel
@@ -43,7 +43,7 @@ from hybrid.parallel.packed import RowSubset, narrow_outputs, packed_shards
 from hybrid.parallel.plan import Shard, ShardPlan
 from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
 from moe.experts import PrepackedExpertBank
-from hybrid.ops import cpu as mamba_kernels
+from hybrid.ops import cpu as cpu_kernels
 from moe.prepack import prepackable
 from moe.quant import PackedExperts, PackedWeight, PrepackedLinear, QuantFormat, QuantLinear, swap_modules
 from moe.quant.config import QuantConfig
@@ -136,6 +136,8 @@ def load_model(
     config = HybridConfig.from_file(directory / "config.json")
     quant = read_quant_config(directory, config)
     sharded = parallel.rank_plan(config, tensor_parallel, quant)
+    if torch.device(device).type == "cpu":
+        cpu_kernels.build_kernels()  # all at once, now: never compiled between two tokens of a generation
     model = build_model(config, parse_dtype(dtype, config))
     files = CheckpointFiles(directory)
     if quant is not None:
@@ -155,8 +157,6 @@ def load_model(
         model.parallel.read_bytes = files.read_bytes
     del files  # unmaps the checkpoint
     model.source_dir = Path(directory).resolve()  # save_checkpoint's default `source`: never saved onto
-    if torch.device(device).type == "cpu" and MAMBA in config.hybrid_override_pattern:
-        mamba_kernels.module()  # the fused decode step, built now (once per source, torch and CPU), not in a step
     return model.eval()
 
 

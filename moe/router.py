@@ -33,7 +33,7 @@ def kernel():
     (`HYBRID_CPU_KERNELS=0`) or cannot be built."""
     from moe.quant.kernels.build import build
 
-    return build(SOURCE, "hybrid_router", what="the MoE router kernel (once for this source, torch and CPU; about 20 s)")
+    return build(SOURCE, "hybrid_router", what="the MoE router kernel")
 
 
 def route(

@@ -13,7 +13,8 @@
   call and one pass per row, where the specification (`hybrid.ops.norm`) is 4 to 10 PyTorch operations.
 
 Built like the packed-weight kernels (`moe.quant.kernels.build.build`: cached by source, torch and CPU;
-`HYBRID_CPU_KERNELS=0` or a failed build leaves the PyTorch path).
+`HYBRID_CPU_KERNELS=0` or a failed build leaves the PyTorch path). `build_kernels` makes every C++ kernel of
+the project ready at once (a model's load on the CPU calls it, and `hybrid build-kernels`).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def module():
     """The compiled extension, or None (disabled, or it cannot be built)."""
     from moe.quant.kernels.build import build
 
-    return build(SOURCE, "hybrid_mamba", what="the Mamba-2 kernels (once for this source, torch and CPU; about "
-                                              "30 s)")
+    return build(SOURCE, "hybrid_mamba", what="the Mamba-2 kernels")
 
 
 @functools.cache
@@ -42,7 +42,7 @@ def attention_module(portable: bool = False):
     from moe.quant.kernels.cpu import FLAGS, PORTABLE, build
 
     return build(ATTENTION_SOURCE, "hybrid_attention", FLAGS + PORTABLE if portable else FLAGS,
-                 what="the decode-attention kernel (once for this source, torch and CPU; about 20 s)")
+                 what="the decode-attention kernel")
 
 
 @functools.cache
@@ -50,5 +50,21 @@ def norm_module():
     """The compiled RMSNorm extension, or None (disabled, or it cannot be built)."""
     from moe.quant.kernels.build import build
 
-    return build(NORM_SOURCE, "hybrid_norm", what="the RMSNorm kernels (once for this source, torch and CPU; about "
-                                                  "20 s)")
+    return build(NORM_SOURCE, "hybrid_norm", what="the RMSNorm kernels")
+
+
+def build_kernels() -> dict[str, object | None]:
+    """Every C++ kernel a model on this CPU may run, built (or loaded from the cache) at once, side by side
+    (`moe.quant.kernels.build.build_all`, one line on stderr while any compiles): the packed-weight and bf16
+    products, the AMX products (on a CPU with AMX), the MoE router, and this module's Mamba-2, decode-attention
+    and RMSNorm kernels. Returns {name: the extension, or None where it is disabled, cannot be built or does not
+    apply to this CPU}. Why at load: a kernel built on first use would compile between two streamed tokens and
+    count in the speed figures."""
+    from moe import router
+    from moe.quant.kernels import amx
+    from moe.quant.kernels import cpu as packed
+    from moe.quant.kernels.build import build_all
+
+    loaders = {"packed-weight": packed.module, "AMX": amx.module, "MoE router": router.kernel,
+               "Mamba-2": module, "decode attention": attention_module, "RMSNorm": norm_module}
+    return dict(zip(loaders, build_all(list(loaders.values()))))

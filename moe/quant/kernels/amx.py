@@ -42,7 +42,7 @@ def module():
     path off alone."""
     if "amx_bf16" not in cpu_flags().split() or os.environ.get("HYBRID_AMX_KERNELS", "1") == "0":
         return None
-    ext = build(SOURCE, "hybrid_amx", FLAGS, "the AMX prefill kernels (once for this source, torch and CPU)")
+    ext = build(SOURCE, "hybrid_amx", FLAGS, "the AMX kernels")
     return ext if ext is not None and ext.available() else None
 
 

@@ -2,6 +2,8 @@
 attention, norm and router kernels) on first use: `build` compiles one with torch's `cpp_extension` into
 `$HYBRID_CACHE/kernels/<prefix>_<digest>` (default `~/.cache/hybrid`), the digest of its source, flags, torch
 (`torch_key`) and this CPU's feature flags (`cpu_flags`), so that a build is never used for another of them.
+`build_all` runs several kernels' loaders at once (each compile is one process of its own), saying so in one
+line: how a model's load makes every kernel ready before its first token.
 """
 
 from __future__ import annotations
@@ -11,8 +13,12 @@ import hashlib
 import os
 import platform
 import sys
+import threading
+import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -45,8 +51,9 @@ def build_name(source: bytes, torch_id: str, cpu_flags: str, flags: tuple[str, .
 
 def build(source: Path, prefix: str, flags: tuple[str, ...] = FLAGS, what: str = "a CPU kernel"):
     """Compile the C++ extension `source` on first use into `$HYBRID_CACHE/kernels/<prefix>_<digest>` (the
-    digest of `build_name`: never used for another source, torch (`torch_key`) or CPU), saying so once; None when
-    `HYBRID_CPU_KERNELS=0` is set or it cannot be built (a warning names why)."""
+    digest of `build_name`: never used for another source, torch (`torch_key`) or CPU), saying so once (within
+    `build_all`, in its one line); None when `HYBRID_CPU_KERNELS=0` is set or it cannot be built (a warning
+    names why). `what`: the kernel's name in that message, e.g. "the MoE router kernel"."""
     if os.environ.get("HYBRID_CPU_KERNELS", "1") == "0":
         return None
     name = build_name(source.read_bytes(), torch_key(), cpu_flags(), flags, prefix)
@@ -57,12 +64,56 @@ def build(source: Path, prefix: str, flags: tuple[str, ...] = FLAGS, what: str =
         directory.mkdir(parents=True, exist_ok=True)
         with _build_lock(directory), _our_ninja_first():
             if not any(directory.glob(f"{name}*.so")):
-                print(f"compiling {what} ...", file=sys.stderr, flush=True)
+                _announce(what)
             return load(name=name, sources=[str(source)], extra_cflags=list(flags), extra_ldflags=["-fopenmp"],
                         build_directory=str(directory), verbose=False)
     except Exception as e:  # no compiler, no ninja, a failed build: the PyTorch path is always correct
         warnings.warn(f"{what} unavailable, using the PyTorch path ({type(e).__name__}: {e})", stacklevel=3)
         return None
+
+
+class _Batch:
+    """The kernels `build_all` is compiling (not found in the cache), for its one line."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.compiled: list[str] = []
+
+
+_batch: _Batch | None = None  # set while `build_all` runs its loaders
+
+
+def _announce(what: str) -> None:
+    """Say that `what` is being compiled: alone, a line of its own; within `build_all`, the start of its one line
+    (for the first kernel that compiles) and a name at its end."""
+    batch = _batch
+    if batch is None:
+        print(f"compiling {what} (once for this source, torch and CPU) ...", file=sys.stderr, flush=True)
+        return
+    with batch.lock:
+        if not batch.compiled:
+            print("compiling the CPU kernels (once for this source, torch and CPU) ...", end="", file=sys.stderr,
+                  flush=True)
+        batch.compiled.append(what)
+
+
+def build_all(loaders: list[Callable[[], object]]) -> list[object]:
+    """Call every loader (each a cached function that builds or loads one kernel, returning it or None) at once,
+    one thread each: the compiles run side by side, as many at a time as the CPU's cores take. While any kernel
+    compiles, one line on stderr says so and, when all are done, which and how long they took. Returns the
+    loaders' results in order."""
+    global _batch
+    batch, start = _Batch(), time.monotonic()
+    with _our_ninja_first():  # PATH is the process's: set once here, not by each thread
+        _batch = batch
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(loaders)), thread_name_prefix="hybrid-build") as pool:
+                results = list(pool.map(lambda load: load(), loaders))
+        finally:
+            _batch = None
+    if batch.compiled:
+        print(f" done in {time.monotonic() - start:.0f} s: {', '.join(batch.compiled)}", file=sys.stderr, flush=True)
+    return results
 
 
 @contextlib.contextmanager
@@ -101,6 +152,9 @@ def _our_ninja_first():
         yield
         return
     before = os.environ.get("PATH")
+    if before is not None and before.split(os.pathsep)[0] == ours:  # already first (within `build_all`)
+        yield
+        return
     os.environ["PATH"] = os.pathsep.join([ours, before]) if before else ours
     try:
         yield

@@ -42,7 +42,7 @@ def module(portable: bool = False):
     """The compiled extension, built on first use; None when it is disabled or cannot be built.
     `portable`: the build without AVX-512 (what a CPU without it runs; tests compare it too)."""
     return build(SOURCE, "hybrid_packed", FLAGS + PORTABLE if portable else FLAGS,
-                 "the packed-weight CPU kernels (once for this source, torch and CPU; about 30 s)")
+                 "the packed-weight kernels")
 
 
 def _fp8(ext, xs, ts, fmt):
