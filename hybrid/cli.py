@@ -85,12 +85,6 @@ def _generate_on(args, rank: int, world: int) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    greedy = args.temperature < SAMPLING_EPS
-    if world > 1 and not greedy and args.seed is None:  # every rank draws from the same generator
-        args.seed = launch.shared_seed()
-    if greedy and (args.top_k is not None or args.top_p is not None or args.seed is not None):
-        print(f"note: --top-k, --top-p and --seed only matter with --temperature > 0 (at least {SAMPLING_EPS:g}); "
-              "decoding greedily", file=sys.stderr)
     if args.enable_thinking is not None and not args.chat:
         print("note: --enable-thinking only matters with --chat", file=sys.stderr)
     if args.speculative and args.prefix_cache:
@@ -134,6 +128,17 @@ def _generate_on(args, rank: int, world: int) -> int:
                 return 2
     for n in notes:
         print(f"note: {n.message}", file=sys.stderr)
+    # what the options leave out: the checkpoint's sampling defaults (generation_config.json), else greedy
+    defaults = tokenizer.sampling_defaults
+    temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.0)
+    top_k = args.top_k if args.top_k is not None else defaults.get("top_k")
+    top_p = args.top_p if args.top_p is not None else defaults.get("top_p")
+    greedy = temperature < SAMPLING_EPS
+    if world > 1 and not greedy and args.seed is None:  # every rank draws from the same generator
+        args.seed = launch.shared_seed()
+    if greedy and (args.top_k is not None or args.top_p is not None or args.seed is not None):
+        print(f"note: --top-k, --top-p and --seed only matter with --temperature > 0 (at least {SAMPLING_EPS:g}); "
+              "decoding greedily", file=sys.stderr)
     if args.speculative and model.mtp is None:
         print(f"error: --speculative needs an MTP block, and {args.model} has none (num_nextn_predict_layers: 0)",
               file=sys.stderr)
@@ -167,8 +172,8 @@ def _generate_on(args, rank: int, world: int) -> int:
         sys.stdout.flush()
 
     chat_kwargs = {} if args.enable_thinking is None else {"enable_thinking": args.enable_thinking}
-    (c,) = generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, chat=args.chat,
+    (c,) = generate(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature,
+                    top_k=top_k, top_p=top_p, seed=args.seed, chat=args.chat,
                     on_text=None if args.json else stream, speculative=args.speculative,
                     prefix_cache=prefix_cache, repetition_penalty=args.repetition_penalty,
                     frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty, **chat_kwargs)
@@ -296,9 +301,10 @@ def _info(args) -> int:
         capacity = plan_capacity(config, dtype, args.memory, quant, max_model_len=args.max_model_len,
                                  max_num_seqs=args.max_num_seqs, block_size=args.block_size, ranks=ranks)
         report["capacity"] = capacity.to_dict()
+    fits = capacity is None or capacity.fits  # a budget that cannot hold the model: status 1, as a failed check
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0
+        return 0 if fits else 1
     print(f"pattern        {report['pattern']}  ({len(report['pattern'])} layers: "
           + ", ".join(f"{n} {k}" for k, n in report["layers"].items() if n) + ")")
     print(f"parameters     {report['parameters']:,} in all (embedding {report['embedding_parameters']:,}); "
@@ -319,7 +325,7 @@ def _info(args) -> int:
         _print_capacity(capacity)
     if args.tensor_parallel is not None:
         _print_ranks(report["tensor_parallel"])
-    return 0
+    return 0 if fits else 1
 
 
 def _print_ranks(tp: dict) -> None:
@@ -401,6 +407,27 @@ def _quantize(args) -> int:
           f"weights, {calibration}); written: {', '.join(report.written)}; copied from "
           f"the source: {', '.join(report.copied) or 'nothing'}", file=sys.stderr)
     return 0
+
+
+def _build_kernels(args) -> int:
+    """Build every C++ kernel for this CPU, torch and source (`hybrid.ops.cpu.build_kernels`) and say which
+    are ready: status 1 when one that applies here could not be built (a `note:` said why)."""
+    from hybrid.ops.cpu import build_kernels
+    from moe.quant.kernels.build import cpu_flags
+
+    if os.environ.get("HYBRID_CPU_KERNELS", "1") == "0":
+        print("note: HYBRID_CPU_KERNELS=0: the CPU kernels are off (the PyTorch paths run)", file=sys.stderr)
+        return 0
+    failed = False
+    for name, ext in build_kernels().items():
+        if name == "AMX" and (ext is None and ("amx_bf16" not in cpu_flags().split()
+                                               or os.environ.get("HYBRID_AMX_KERNELS", "1") == "0")):
+            state = "not used on this CPU (no AMX_BF16, or HYBRID_AMX_KERNELS=0)"
+        else:
+            state = "ready" if ext is not None else "unavailable: the PyTorch path runs"
+            failed |= ext is None
+        print(f"{name:<17} {state}")
+    return 1 if failed else 0
 
 
 def _default_model(args) -> bool:
@@ -548,9 +575,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enable-thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="passed to the chat template (Nemotron 3 reasoning switch)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128, help="at most this many tokens (default: %(default)s)")
-    g.add_argument("--temperature", type=_temperature, default=0.0, help="0 (or below 1e-05) = greedy (the default)")
-    g.add_argument("--top-k", type=_top_k, default=None, help="sample from the k most likely tokens (0 or -1: no limit)")
-    g.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set with probability >= p")
+    g.add_argument("--temperature", type=_temperature, default=None,
+                   help="0 (or below 1e-05) = greedy; default: the checkpoint's generation_config.json, else greedy")
+    g.add_argument("--top-k", type=_top_k, default=None,
+                   help="sample from the k most likely tokens (0 or -1: no limit; default: the checkpoint's, else none)")
+    g.add_argument("--top-p", type=_top_p, default=None,
+                   help="sample from the smallest set with probability >= p (default: the checkpoint's, else 1)")
     g.add_argument("--seed", type=_seed, default=None, help="seed of the sampler")
     g.add_argument("--repetition-penalty", type=_repetition_penalty, default=1.0,
                    help="divide positive logits (multiply negative ones) of every token in the prompt or output "
@@ -612,7 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-tokens", type=_positive_int, default=None,
                    help="at most this many tokens per reply (default: the rest of the context, as the server)")
     c.add_argument("--temperature", type=_temperature, default=None,
-                   help="default: 1, the server's (OpenAI's); 0 (or below 1e-05) = greedy")
+                   help="0 (or below 1e-05) = greedy; default: the checkpoint's generation_config.json, else 1 (the "
+                        "server's, OpenAI's)")
     c.add_argument("--top-p", type=_top_p, default=None, help="sample from the smallest set with probability >= p")
     c.add_argument("--top-k", type=_top_k, default=None, help="sample from the k most likely tokens (0 or -1: no limit)")
     c.add_argument("--seed", type=_seed, default=None, help="seed of the sampler (each reply starts from it, as a request)")
@@ -650,6 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "collectives per decoded token")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=_info)
+
+    k = sub.add_parser("build-kernels", help="compile the C++ CPU kernels now (otherwise the first model load "
+                                             "on the CPU does)")
+    k.set_defaults(func=_build_kernels)
 
     q = sub.add_parser("quantize", help="quantize a checkpoint to FP8 / NVFP4 / MXFP4 (ModelOpt layout)")
     q.add_argument("src", help="float checkpoint directory or hub repo id")
@@ -719,9 +754,11 @@ def _silence_stdout(stream) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the `hybrid` command; returns the exit status: 0, 1 (writing stdout failed: one `error:` line),
-    2 (a usage, config, checkpoint or value error: one `error:` line) or 141 (stdout was closed, as by
-    `| head`: quietly, like a command killed by SIGPIPE). Warnings print as one `note:` line each."""
+    """Run the `hybrid` command; returns the exit status: 0; 1 (writing stdout failed: one `error:` line; also
+    `serve` unable to bind or start, `quantize` unable to write, a kernel `build-kernels` could not build, a model
+    that does not fit `info --memory`); 2 (a usage, config, checkpoint or value error: one `error:` line); 130
+    (`chat` ended by Ctrl-C); or 141 (stdout was closed, as by `| head`: quietly, like a command killed by
+    SIGPIPE). Warnings print as one `note:` line each."""
     from hybrid.parallel import launch
 
     if launch.launched() and os.environ.get("RANK", "0") != "0":  # a usage error: printed by rank 0 alone

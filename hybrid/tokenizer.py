@@ -6,12 +6,16 @@
   `tojson` that keeps non-ASCII text).
 - Stop ids are the union of config.json's, generation_config.json's and the tokenizer's eos ids: Nemotron 3
   chat models end turns with `<|im_end|>` (the tokenizer's eos) while config.json says 2.
+- The checkpoint's sampling defaults are generation_config.json's `temperature`, `top_p` and `top_k` where
+  present (as vLLM reads them), and greedy where it says `do_sample: false` (as transformers reads it); the
+  command line, the server and `hybrid chat` use them for what a user or request does not set.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 import reprlib
 from datetime import datetime
 from pathlib import Path
@@ -60,6 +64,33 @@ def _checked(generation: dict, key: str, path: Path):
     return value
 
 
+def _sampling_defaults(generation: dict, path: Path) -> dict:
+    """generation_config.json's sampling defaults: {"temperature", "top_p", "top_k"} where present, temperature 0
+    (greedy) where `do_sample` is false.
+
+    Raises:
+        CheckpointError: a value out of its range (temperature a finite number >= 0, top_p in (0, 1], top_k an
+            integer >= -1, do_sample a boolean); the message names the file, the key and the value.
+    """
+    checks = {"temperature": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+              "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+              "top_k": (lambda v: isinstance(v, int) and v >= -1, "an integer >= -1 (0 or -1: no limit)")}
+    defaults = {}
+    for key, (ok, expected) in checks.items():
+        value = generation.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise CheckpointError(f"{path}: `{key}` must be {expected}, got {reprlib.repr(value)}")
+        defaults[key] = value
+    do_sample = generation.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise CheckpointError(f"{path}: `do_sample` must be true or false, got {reprlib.repr(do_sample)}")
+    if do_sample is False:
+        defaults["temperature"] = 0.0
+    return defaults
+
+
 def _ids(value) -> list[int]:
     return [] if value is None else value if isinstance(value, list) else [value]
 
@@ -70,11 +101,13 @@ class Tokenizer:
     Attributes:
         stop_ids: token ids that end generation (see the module docstring).
         bos_token / eos_token / pad_token_id: from the tokenizer config, when present.
+        sampling_defaults: {"temperature", "top_p", "top_k"}: what the checkpoint's generation_config.json says
+            (see the module docstring); empty where it says nothing.
     """
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, chat_template: str | None = None,
                  special_tokens: dict | None = None, stop_ids: list[int] | None = None, pad_token_id: int | None = None,
-                 template_source: str | None = None):
+                 template_source: str | None = None, sampling_defaults: dict | None = None):
         self._tok = tokenizer
         self.chat_template = chat_template
         self.template_source = template_source or "the chat template"  # where it came from, for messages
@@ -83,6 +116,7 @@ class Tokenizer:
         self.eos_token = special.get("eos_token")
         self.stop_ids = sorted(set(stop_ids or []))
         self.pad_token_id = pad_token_id
+        self.sampling_defaults = dict(sampling_defaults or {})
 
     @classmethod
     def from_dir(cls, directory: str | Path, config_eos: list[int] | None = None, config_pad: int | None = None) -> "Tokenizer":
@@ -91,8 +125,9 @@ class Tokenizer:
 
         Raises:
             CheckpointError: tokenizer.json missing or unreadable, a JSON file that does not parse, a chat_template.jinja
-                that is not UTF-8, or a generation_config.json `eos_token_id` / `pad_token_id` that is no token id
-                (an integer in [0, 2^31), as in config.json); the message names the file and the key.
+                that is not UTF-8, a generation_config.json `eos_token_id` / `pad_token_id` that is no token id
+                (an integer in [0, 2^31), as in config.json), or a sampling default out of its range
+                (`_sampling_defaults`); the message names the file and the key.
         """
         directory = Path(directory)
         path = directory / "tokenizer.json"
@@ -136,7 +171,8 @@ class Tokenizer:
         pad = tok.token_to_id(special["pad_token"]) if "pad_token" in special else None
         if pad is None:
             pad = generation.get("pad_token_id", config_pad)
-        return cls(tok, template, special, sorted(stop), pad, template_source=source)
+        return cls(tok, template, special, sorted(stop), pad, template_source=source,
+                   sampling_defaults=_sampling_defaults(generation, generation_path))
 
     # ------------------------------------------------------------------------------------------ text
     @property

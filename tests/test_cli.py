@@ -270,3 +270,56 @@ def test_stdout_write_error_is_one_line(ckpt, json_flag):
     assert r.returncode == 1 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
     assert errors == ["error: writing to stdout failed: [Errno 28] No space left on device"], r.stderr
+
+
+# ---------------------------------------------------------------------------------------------- first run
+
+def with_generation_config(ckpt, tmp_path, **fields):
+    """A copy of `ckpt` whose generation_config.json also says `fields`."""
+    import shutil
+
+    copy = tmp_path / "ckpt"
+    shutil.copytree(ckpt, copy)
+    path = copy / "generation_config.json"
+    config = json.loads(path.read_text()) if path.exists() else {}
+    path.write_text(json.dumps({**config, **fields}))
+    return copy
+
+
+def test_generate_takes_the_checkpoints_sampling_defaults(ckpt, tmp_path):
+    """Options left out take generation_config.json's temperature / top_p / top_k (vLLM's reading); given ones
+    win; `do_sample: false` is greedy (transformers' reading)."""
+    import hybrid
+
+    sampled = with_generation_config(ckpt, tmp_path, temperature=0.9, top_p=0.8, top_k=7)
+    model, tok = hybrid.load(sampled)
+    assert tok.sampling_defaults == {"temperature": 0.9, "top_p": 0.8, "top_k": 7}
+    (expected,) = hybrid.generate(model, tok, "The grass", max_new_tokens=8, temperature=0.9, top_p=0.8, top_k=7,
+                                  seed=3)
+    (greedy,) = hybrid.generate(model, tok, "The grass", max_new_tokens=8)
+    r = run("generate", str(sampled), "--prompt", "The grass", "--max-new-tokens", "8", "--seed", "3", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == expected.token_ids != greedy.token_ids
+    r = run("generate", str(sampled), "--prompt", "The grass", "--max-new-tokens", "8", "--temperature", "0", "--json")
+    assert json.loads(r.stdout)["token_ids"] == greedy.token_ids and "note:" not in r.stderr
+    off = with_generation_config(ckpt, tmp_path / "off", do_sample=False, temperature=0.9)
+    r = run("generate", str(off), "--prompt", "The grass", "--max-new-tokens", "8", "--json")
+    assert json.loads(r.stdout)["token_ids"] == greedy.token_ids
+
+
+def test_info_exits_1_when_the_model_does_not_fit():
+    small = run("info", str(NANO), "--memory", "32GB")
+    assert small.returncode == 1 and "does not fit" in small.stdout
+    fits = run("info", str(NANO), "--format", "nvfp4", "--memory", "32GB")
+    assert fits.returncode == 0 and "concurrency" in fits.stdout
+    assert run("info", str(NANO), "--memory", "32GB", "--json").returncode == 1
+
+
+def test_build_kernels_reports_each_kernel():
+    r = run("build-kernels")
+    names = [line.split("  ")[0] for line in r.stdout.splitlines()]
+    assert names == ["packed-weight", "AMX", "MoE router", "Mamba-2", "decode attention", "RMSNorm"], r.stdout
+    assert r.returncode == (1 if "unavailable" in r.stdout else 0), r.stderr
+    off = subprocess.run([sys.executable, "-m", "hybrid.cli", "build-kernels"], capture_output=True, text=True,
+                         env={**__import__("os").environ, "HYBRID_CPU_KERNELS": "0"}, timeout=300)
+    assert off.returncode == 0 and "off" in off.stderr and off.stdout == ""

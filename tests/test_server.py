@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import shutil
 import socket
@@ -23,6 +24,7 @@ import uvicorn
 import hybrid
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.generate import generate_ids
+from hybrid.sampling import SamplingParams
 from hybrid.serving.api import Server, create_app
 from hybrid.serving.engine import Engine
 from hybrid.serving.runner import EngineRunner
@@ -649,3 +651,48 @@ def test_serve_binds_its_address_before_loading_and_a_taken_port_is_an_error_at_
         assert held.getsockname()[0] == "127.0.0.1"
         with socket.create_connection(held.getsockname(), timeout=5):
             pass  # it listens: a client can connect (uvicorn accepts from this socket)
+
+
+# ---------------------------------------------------------------------------------------------- defaults and logs
+
+def test_requests_take_the_checkpoints_sampling_defaults(served):
+    """What a request leaves out comes from generation_config.json (`Tokenizer.sampling_defaults`), else the
+    API's defaults; what it sets wins."""
+    prompt = "The for statement is used to"
+    greedy, _ = alone(served, prompt, 12)
+    before = served.tokenizer.sampling_defaults
+    try:
+        served.tokenizer.sampling_defaults = {"temperature": 0.0}  # as `do_sample: false` reads
+        r = served.client.completions.create(model="hybrid-mini", prompt=prompt, max_tokens=12)
+        assert r.choices[0].text == greedy
+        served.tokenizer.sampling_defaults = {"temperature": 0.7, "top_p": 0.9, "top_k": 5}
+        server = Server(served.runner, served.tokenizer, "hybrid-mini")
+        s = server.sampling({})
+        assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.9, 5)
+        s = server.sampling({"temperature": 0.2, "top_k": -1})  # -1: no top-k (SamplingParams says None)
+        assert (s.temperature, s.top_p, s.top_k) == (0.2, 0.9, None)
+    finally:
+        served.tokenizer.sampling_defaults = before
+    s, api = Server(served.runner, served.tokenizer, "hybrid-mini").sampling({}), SamplingParams(1.0, -1, 1.0)
+    assert (s.temperature, s.top_p, s.top_k) == (api.temperature, api.top_p, api.top_k)  # the API's (OpenAI's)
+
+
+def test_each_finished_request_and_the_throughput_are_logged(served, caplog):
+    caplog.set_level(logging.INFO, logger="hybrid.serving.runner")
+    served.runner.log_interval = 0.0  # a throughput line after every step that computed tokens
+    try:
+        r = served.client.completions.create(model="hybrid-mini", prompt="The sky is blue and", max_tokens=6,
+                                             temperature=0)
+    finally:
+        served.runner.log_interval = 10.0
+    wait_idle(served)
+    lines = [rec.getMessage() for rec in caplog.records if rec.name == "hybrid.serving.runner"]
+    usage = r.usage
+    rid = r.id.removeprefix("cmpl-")  # the response's id is its (first) request's
+    mine = [line for line in lines if line.startswith(f"request {rid}:")]
+    assert len(mine) == 1, lines
+    assert (f"{usage.prompt_tokens} prompt tokens ({usage.prompt_tokens_details.cached_tokens} cached), "
+            f"{usage.completion_tokens} generated, first token ") in mine[0]
+    assert mine[0].endswith(f"finish {r.choices[0].finish_reason}") and " tok/s, " in mine[0]
+    assert any(line.startswith("throughput: prompt ") and "generation" in line and "prefix cache hit rate" in line
+               for line in lines)

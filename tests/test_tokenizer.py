@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from hybrid.checkpoint_files import CheckpointError
 from hybrid.tokenizer import Tokenizer
 from tiny_checkpoint import write_tokenizer
 
@@ -113,3 +114,22 @@ def test_generate_chat_with_a_failing_template_is_one_clear_error(tmp_path, caps
     err = capsys.readouterr().err
     assert rc != 0 and "Traceback" not in err
     assert f"{d / 'chat_template.jinja'}: chat template failed: it recurses too deeply" in err
+
+
+def test_sampling_defaults_from_generation_config(tokdir):
+    """generation_config.json's temperature / top_p / top_k where present; `do_sample: false` means greedy."""
+    assert Tokenizer.from_dir(tokdir).sampling_defaults == {}
+    path = tokdir / "generation_config.json"
+    path.write_text(json.dumps({"temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": 2}))
+    assert Tokenizer.from_dir(tokdir).sampling_defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    path.write_text(json.dumps({"do_sample": False, "temperature": 0.6, "top_p": 0.95}))
+    assert Tokenizer.from_dir(tokdir).sampling_defaults == {"temperature": 0.0, "top_p": 0.95}
+
+
+@pytest.mark.parametrize("field, value", [("temperature", -1), ("temperature", "0.7"), ("temperature", True),
+                                          ("top_p", 0), ("top_p", 1.5), ("top_k", -2), ("top_k", 2.5),
+                                          ("do_sample", "no")])
+def test_sampling_defaults_out_of_range_name_the_file(tokdir, field, value):
+    (tokdir / "generation_config.json").write_text(json.dumps({field: value}))
+    with pytest.raises(CheckpointError, match=rf"generation_config.json: `{field}` must be"):
+        Tokenizer.from_dir(tokdir)

@@ -125,7 +125,8 @@ class Server:
         penalties = {"frequency_penalty": _number(body, "frequency_penalty", 0.0, -2, 2),
                      "presence_penalty": _number(body, "presence_penalty", 0.0, -2, 2),
                      "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0, math.inf, open_low=True)}
-        return sampling_params(temperature, top_p, top_k, seed, **penalties)  # the API's defaults for what is not set
+        # what the request leaves out: the checkpoint's defaults (generation_config.json), else the API's
+        return sampling_params(temperature, top_p, top_k, seed, self.tokenizer.sampling_defaults, **penalties)
 
     def stop_ids(self, body: dict) -> frozenset[int]:
         """The ids that end a generation: the tokenizer's (end of sequence, end of turn), none with vLLM's

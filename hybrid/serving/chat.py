@@ -141,7 +141,7 @@ class ChatSession:
     def sampling(self):
         """This chat's `SamplingParams` (a new one per turn: a seeded turn starts from the seed, as a request)."""
         o = self.options
-        return sampling_params(o.temperature, o.top_p, o.top_k, o.seed)
+        return sampling_params(o.temperature, o.top_p, o.top_k, o.seed, self.tokenizer.sampling_defaults)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays); the turn count starts again."""

@@ -1,5 +1,6 @@
 """What the chat endpoint (`hybrid.serving.api`) and `hybrid chat` (`hybrid.serving.chat`) share: a
-conversation rendered into a prompt by the checkpoint's chat template, and the API's sampling defaults.
+conversation rendered into a prompt by the checkpoint's chat template, and the sampling defaults (the
+checkpoint's, else the API's).
 
     prompt = render_chat(tokenizer, messages, {"enable_thinking": False})   # .ids, .text, .opened_thinking
     template_thinks(tokenizer)     # the template uses <think>: a reply is split into reasoning and content
@@ -45,13 +46,15 @@ def render_chat(tokenizer, messages: list[dict], template_kwargs: dict | None = 
 
 
 def sampling_params(temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                    seed: int | None = None, **penalties) -> SamplingParams:
-    """A request's sampling, the API's defaults standing in for what is None; `penalties`
-    (repetition_penalty, frequency_penalty, presence_penalty) go to `SamplingParams` as given.
+                    seed: int | None = None, defaults: dict | None = None, **penalties) -> SamplingParams:
+    """A request's sampling: what it sets, else the checkpoint's `defaults` (`Tokenizer.sampling_defaults`, from
+    its generation_config.json, as vLLM applies them), else the API's; `penalties` (repetition_penalty,
+    frequency_penalty, presence_penalty) go to `SamplingParams` as given.
 
     Raises:
         ValueError: see `hybrid.sampling.SamplingParams`.
     """
-    return SamplingParams(DEFAULT_TEMPERATURE if temperature is None else temperature,
-                          DEFAULT_TOP_K if top_k is None else top_k, DEFAULT_TOP_P if top_p is None else top_p, seed,
-                          **penalties)
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    api = {"temperature": DEFAULT_TEMPERATURE, "top_p": DEFAULT_TOP_P, "top_k": DEFAULT_TOP_K}
+    value = {k: v if v is not None else (defaults or {}).get(k, api[k]) for k, v in given.items()}
+    return SamplingParams(value["temperature"], value["top_k"], value["top_p"], seed, **penalties)

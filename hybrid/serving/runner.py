@@ -14,6 +14,12 @@ model's load) turns every parallel region into futex sleeps and wake-ups, which 
 decode steps markedly slower on a second thread than on the main one
 (docs/perf-log.md#engine-loop-main-thread). `own_thread=True` (tests, embedding) starts a thread of its own
 instead.
+
+Logs (logger `hybrid.serving.runner`, INFO): one line per finished request (its id, prompt tokens and how many
+the prefix cache served, tokens generated, time to first token from its submission, decode tok/s, finish
+reason) and, every `log_interval` seconds while requests run, one line of throughput (prompt and generated
+tokens per second, running and waiting requests, KV blocks and state slots used, prefix-cache hit rate), as
+vLLM's engine logs its stats.
 """
 
 from __future__ import annotations
@@ -56,8 +62,8 @@ class EngineRunner:
             the model's torch work so far (see the module docstring).
     """
 
-    def __init__(self, engine: Engine, max_queue: int = 256, own_thread: bool = True):
-        self.engine, self.max_queue = engine, max_queue
+    def __init__(self, engine: Engine, max_queue: int = 256, own_thread: bool = True, log_interval: float = 10.0):
+        self.engine, self.max_queue, self.log_interval = engine, max_queue, log_interval
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -65,6 +71,8 @@ class EngineRunner:
         self.generated_tokens = 0
         self.step_seconds = Histogram()  # each engine step's wall time (/metrics)
         self.started = time.monotonic()
+        self._timing: dict[str, list] = {}  # request id -> [submitted, first token or None] (monotonic seconds)
+        self._window = [time.monotonic(), 0, 0]  # the throughput line's: start, prompt and generated tokens
         self._thread = None
         if own_thread:
             self._thread = threading.Thread(target=self.run, name="hybrid-engine", daemon=True)
@@ -88,6 +96,7 @@ class EngineRunner:
             if len(self._streams) >= self.engine.scheduler.max_num_seqs + self.max_queue:
                 raise QueueFull(f"{len(self._streams)} requests in flight, the server's limit")
             self._streams[request_id] = (loop, stream)
+            self._timing[request_id] = [time.monotonic(), None]
         self._commands.put(("add", request_id, checked))
         return stream
 
@@ -131,9 +140,15 @@ class EngineRunner:
                     self._finish(request_id, f"{type(e).__name__}: {e}")
                 engine.step()  # drops the abort notices
                 continue
+            stats, now = engine.last_step, time.monotonic()
+            self._window[1] += stats.num_tokens - stats.num_decode_tokens
             batches: dict[asyncio.AbstractEventLoop, list] = {}  # one wake-up of each loop per step
             for out in outputs:
                 self.generated_tokens += len(out.new_token_ids)
+                self._window[2] += len(out.new_token_ids)
+                timing = self._timing.get(out.request_id)
+                if timing is not None and timing[1] is None and out.new_token_ids:
+                    timing[1] = now
                 self._deliver(out.request_id, out, batches)
                 if out.finished:
                     self._finish(out.request_id, None, batches=batches)
@@ -142,6 +157,8 @@ class EngineRunner:
                     loop.call_soon_threadsafe(_put_all, items)
                 except RuntimeError:  # the loop is closed (server shutting down)
                     pass
+            if now - self._window[0] >= self.log_interval:
+                self._log_throughput(now)
 
     def _apply(self, kind: str, request_id: str | None, checked) -> None:
         if kind == "add":
@@ -172,6 +189,7 @@ class EngineRunner:
     def _finish(self, request_id: str, error: str | None, known: bool = True, batches: dict | None = None) -> None:
         request = self.engine.requests.get(request_id) if known else None
         done = Finished(len(request.prompt_ids) if request else 0, request.num_cached_tokens if request else 0, error)
+        self._log_request(request_id, request, error)
         if request is not None:
             if request.status is not Status.FINISHED:
                 self.engine.abort(request_id)
@@ -179,6 +197,35 @@ class EngineRunner:
         self._deliver(request_id, done, batches)
         with self._lock:
             self._streams.pop(request_id, None)
+
+
+    def _log_request(self, request_id: str, request, error: str | None) -> None:
+        """The finished request's line (see the module docstring)."""
+        submitted, first = self._timing.pop(request_id, (None, None))
+        generated = len(request.output_ids) if request is not None else 0
+        parts = [f"request {request_id}: {len(request.prompt_ids) if request is not None else 0} prompt tokens "
+                 f"({request.num_cached_tokens if request is not None else 0} cached), {generated} generated"]
+        if first is not None and submitted is not None:
+            parts.append(f"first token {first - submitted:.3f} s")
+            elapsed = time.monotonic() - first
+            if generated > 1 and elapsed > 0:
+                parts.append(f"{(generated - 1) / elapsed:.1f} tok/s")
+        reason = f"error ({error})" if error else (request.finish_reason if request is not None else None) or "abort"
+        log.info(", ".join(parts) + f", finish {reason}")
+
+    def _log_throughput(self, now: float) -> None:
+        """The periodic line (see the module docstring); nothing for a window in which no token was computed."""
+        start, prompt, generated = self._window
+        self._window = [now, 0, 0]
+        if not prompt and not generated:
+            return
+        e, seconds = self.engine, max(now - start, 1e-9)
+        prefix = e.prefix
+        hit_rate = f"{prefix.hits / prefix.queries:.0%}" if prefix is not None and prefix.queries else "-"
+        log.info(f"throughput: prompt {prompt / seconds:.1f} tok/s, generation {generated / seconds:.1f} tok/s; "
+                 f"{len(e.scheduler.running)} running, {len(e.scheduler.waiting)} waiting; KV blocks "
+                 f"{e.blocks.num_blocks - e.blocks.num_free}/{e.blocks.num_blocks} used, state slots "
+                 f"{e.slots.num_slots - e.slots.num_free}/{e.slots.num_slots}; prefix cache hit rate {hit_rate}")
 
 
 def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:

@@ -129,6 +129,7 @@ def serve(args) -> int:
     Returns:
         0, or 1 when the address cannot be bound or uvicorn did not start.
     """
+    import logging
     import signal
     import threading
 
@@ -146,6 +147,7 @@ def serve(args) -> int:
         return 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    _log_to_stderr(logging.getLogger("hybrid.serving"))  # a line per request and the throughput (runner.py)
     model, tokenizer = load(args.model, dtype=args.dtype)
     engine = build_engine(model, args, args.max_num_seqs)
     runner = EngineRunner(engine, max_queue=args.max_queue, own_thread=False)
@@ -176,3 +178,14 @@ def serve(args) -> int:
             signal.signal(s, handler)
         save_prefix_cache(engine, args)
     return 0 if server.started else 1
+
+
+def _log_to_stderr(logger) -> None:
+    """`logger`'s INFO lines on stderr, each with its time (once per process)."""
+    import logging
+
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
