@@ -189,7 +189,8 @@ class EngineRunner:
     def _finish(self, request_id: str, error: str | None, known: bool = True, batches: dict | None = None) -> None:
         request = self.engine.requests.get(request_id) if known else None
         done = Finished(len(request.prompt_ids) if request else 0, request.num_cached_tokens if request else 0, error)
-        self._log_request(request_id, request, error)
+        reason = f"error ({error})" if error else (request.finish_reason if request else None) or "abort"
+        self._log_request(request_id, done, len(request.output_ids) if request else 0, reason)
         if request is not None:
             if request.status is not Status.FINISHED:
                 self.engine.abort(request_id)
@@ -198,19 +199,16 @@ class EngineRunner:
         with self._lock:
             self._streams.pop(request_id, None)
 
-
-    def _log_request(self, request_id: str, request, error: str | None) -> None:
+    def _log_request(self, request_id: str, done: Finished, generated: int, reason: str) -> None:
         """The finished request's line (see the module docstring)."""
         submitted, first = self._timing.pop(request_id, (None, None))
-        generated = len(request.output_ids) if request is not None else 0
-        parts = [f"request {request_id}: {len(request.prompt_ids) if request is not None else 0} prompt tokens "
-                 f"({request.num_cached_tokens if request is not None else 0} cached), {generated} generated"]
-        if first is not None and submitted is not None:
+        parts = [f"request {request_id}: {done.prompt_tokens} prompt tokens ({done.cached_tokens} cached), "
+                 f"{generated} generated"]
+        if first is not None:
             parts.append(f"first token {first - submitted:.3f} s")
             elapsed = time.monotonic() - first
             if generated > 1 and elapsed > 0:
                 parts.append(f"{(generated - 1) / elapsed:.1f} tok/s")
-        reason = f"error ({error})" if error else (request.finish_reason if request is not None else None) or "abort"
         log.info(", ".join(parts) + f", finish {reason}")
 
     def _log_throughput(self, now: float) -> None:
