@@ -68,7 +68,7 @@ def _generate_on(args, rank: int, world: int) -> int:
     from hybrid.loading import load
     from hybrid.parallel import launch
 
-    if not _default_model(args):
+    if not _default_model(args) or not _template_file_ok(args):
         return 2
     if args.threads is not None and world == 1:
         import torch
@@ -128,6 +128,8 @@ def _generate_on(args, rank: int, world: int) -> int:
                 return 2
     for n in notes:
         print(f"note: {n.message}", file=sys.stderr)
+    if args.chat_template is not None:
+        tokenizer.use_chat_template(args.chat_template)
     # what the options leave out: the checkpoint's sampling defaults (generation_config.json), else greedy
     defaults = tokenizer.sampling_defaults
     temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.0)
@@ -222,9 +224,22 @@ def _prompt_text(prompt: str) -> tuple[str, str | None]:
     return prompt, None
 
 
+def _template_file_ok(args) -> bool:
+    """--chat-template FILE, if given, is readable UTF-8 text (else a message): checked before the weights load."""
+    if args.chat_template is None:
+        return True
+    try:
+        Path(args.chat_template).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: --chat-template {args.chat_template}: cannot read it as UTF-8 text ({e})", file=sys.stderr)
+        return False
+    return True
+
+
 def _engine_args_ok(args) -> bool:
-    """`hybrid serve` / `hybrid chat`: the model resolved and --prefix-cache-file writable (else a message)."""
-    if not _default_model(args):
+    """`hybrid serve` / `hybrid chat`: the model resolved, --chat-template readable and --prefix-cache-file
+    writable (else a message)."""
+    if not _default_model(args) or not _template_file_ok(args):
         return False
     if args.prefix_cache_file:
         from hybrid.atomic import check_writable
@@ -468,6 +483,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                         "multiple of 16; default: %(default)s)")
 
 
+def _chat_template_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="render chats with the Jinja template in FILE instead of the checkpoint's (vLLM's "
+                        "--chat-template, llama-server's --chat-template-file)")
+
+
 def _snapshot_interval(text: str) -> int:
     """Prompt tokens between prefix-cache snapshots: a positive multiple of the KV block size."""
     from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
@@ -572,6 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub repo id (default: shipped checkpoint)")
     g.add_argument("--prompt", required=True, help="prompt text, or '-' to read it from stdin (one final newline dropped)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    _chat_template_option(g)
     g.add_argument("--enable-thinking", dest="enable_thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="passed to the chat template (Nemotron 3 reasoning switch)")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128, help="at most this many tokens (default: %(default)s)")
@@ -633,12 +655,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--prefix-cache-file", default=None, metavar="FILE",
                    help="load the prefix cache from FILE at start (if it matches the model) and save it at exit")
     v.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/ requests")
+    _chat_template_option(v)
     _engine_options(v)
     v.set_defaults(func=_serve)
 
     c = sub.add_parser("chat", help="chat with a checkpoint in the terminal (the serving engine, its prefix cache)")
     c.add_argument("model", nargs="?", default=None, help="checkpoint directory or hub repo id (default: shipped checkpoint)")
     c.add_argument("--system", default=None, metavar="TEXT", help="system prompt (kept by /reset)")
+    _chat_template_option(c)
     c.add_argument("--max-tokens", type=_positive_int, default=None,
                    help="at most this many tokens per reply (default: the rest of the context, as the server)")
     c.add_argument("--temperature", type=_temperature, default=None,

@@ -218,6 +218,19 @@ class Tokenizer:
         return dict(sorted((i, t) for t, i in self._tok.get_vocab(with_added_tokens=True).items() if i >= first_id))
 
     # ------------------------------------------------------------------------------------------ chat
+    def use_chat_template(self, path: str | Path) -> None:
+        """Render chats with the template in the file `path` instead of the checkpoint's (`--chat-template FILE`,
+        as vLLM's `--chat-template` and llama-server's `--chat-template-file`).
+
+        Raises:
+            ValueError: the file cannot be read or is not UTF-8 text (the message names it).
+        """
+        try:
+            self.chat_template = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {path}: cannot read it as UTF-8 text ({e})") from None
+        self.template_source = str(path)
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` ([{"role", "content"}, ...]) with the checkpoint's template, sandboxed.
 
@@ -232,7 +245,7 @@ class Tokenizer:
             raise ValueError("this checkpoint has no chat template (tokenizer_config.json / chat_template.jinja)")
         where = self.template_source
         try:
-            template = _environment().from_string(self.chat_template)
+            template = _compiled(self.chat_template)
             text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
         except RecursionError:
@@ -294,6 +307,14 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             if abs(right) > 1024 and abs(left) > 1:
                 raise SecurityError(f"the power {left!r} ** {right!r} is too large")
         return super().call_binop(context, operator, left, right)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str):
+    """The template `source` compiled once: compiling costs far more than rendering
+    (docs/perf-log.md#chat-finetune), and every chat request renders; a compiled template renders reentrantly.
+    A template that fails to compile raises each time (exceptions are not cached)."""
+    return _environment().from_string(source)
 
 
 def _environment() -> ImmutableSandboxedEnvironment:

@@ -24,7 +24,6 @@ from hybrid.sampling import SamplingParams
 from hybrid.serving.api import Server, create_app
 from hybrid.serving.chat import ChatOptions, ChatSession, ContextFull, NoChatTemplate, run_chat
 from hybrid.serving.engine import Engine
-from hybrid.serving.messages import sampling_params
 from hybrid.serving.runner import EngineRunner
 from hybrid.serving.text import ReasoningSplitter
 from test_server import TEMPLATE
@@ -32,13 +31,31 @@ from test_server import TEMPLATE
 
 @pytest.fixture(scope="module")
 def mini(tmp_path_factory):
+    """A copy of the shipped checkpoint whose chat template is the test's TEMPLATE (chat_template.jinja, which
+    tokenizer_config.json's `chat_template` would not override)."""
     directory = tmp_path_factory.mktemp("chat") / "hybrid-mini"
     shutil.copytree(DEFAULT_CHECKPOINT, directory)
-    config = json.loads((directory / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(TEMPLATE)
     model, tokenizer = hybrid.load(directory, dtype="fp32")
+    assert tokenizer.chat_template == TEMPLATE
     return directory, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def untemplated(tmp_path_factory):
+    """A copy of the shipped checkpoint with its chat template removed."""
+    directory = tmp_path_factory.mktemp("untemplated") / "hybrid-mini"
+    shutil.copytree(DEFAULT_CHECKPOINT, directory)
+    (directory / "chat_template.jinja").unlink()
+    assert "chat_template" not in json.loads((directory / "tokenizer_config.json").read_text())
+    return directory
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped checkpoint as shipped (its own chat template), fp32."""
+    model, tokenizer = hybrid.load(DEFAULT_CHECKPOINT, dtype="fp32")
+    return DEFAULT_CHECKPOINT, model, tokenizer
 
 
 def new_engine(model, max_model_len: int = 1024) -> Engine:
@@ -134,7 +151,7 @@ def test_seeded_replies_equal_the_servers_for_the_same_messages(mini):
     finally:
         runner.close()
     for given in ({}, {"temperature": 0.3, "top_p": 0.5, "top_k": 7, "seed": 3}):
-        theirs, ours = server.sampling(given), sampling_params(**given)
+        theirs, ours = server.sampling(given), session(mini, **given).sampling()
         assert (theirs.temperature, theirs.top_k, theirs.top_p, theirs.seed) == \
                (ours.temperature, ours.top_k, ours.top_p, ours.seed)
 
@@ -213,12 +230,32 @@ def test_a_conversation_past_the_model_length_is_a_clear_error_and_changes_nothi
     assert "error: the conversation with this message is" in err.getvalue()
 
 
-def test_a_checkpoint_without_a_chat_template_says_so(mini, capsys):
+def test_a_checkpoint_without_a_chat_template_says_so(mini, untemplated, capsys, monkeypatch):
     _, model, _ = mini
     with pytest.raises(NoChatTemplate, match="has no chat template"):
-        ChatSession(new_engine(model), hybrid.load(DEFAULT_CHECKPOINT)[1])
-    assert main(["chat"]) == 2  # the shipped checkpoint, refused before its weights are read
+        ChatSession(new_engine(model), hybrid.load(untemplated)[1])
+    import hybrid.loading as loading
+
+    def load(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(loading, "load", load)
+    assert main(["chat", str(untemplated)]) == 2  # refused before its weights are read
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_chat_template_file_gives_a_checkpoint_without_one_its_chat(mini, untemplated, tmp_path):
+    """`hybrid chat --chat-template FILE` on a checkpoint without a template: the replies of the same conversation
+    with that template in the checkpoint (`mini`'s test template)."""
+    directory, _, tokenizer = mini
+    template = tmp_path / "template.jinja"
+    template.write_text(tokenizer.chat_template)
+    runs = [subprocess.run([sys.executable, "-m", "hybrid.cli", "chat", str(d), "--temperature", "0", "--max-tokens",
+                            "12", "--dtype", "fp32", *extra], input="Hello there\n", capture_output=True, text=True,
+                           timeout=300)
+            for d, extra in ((untemplated, ["--chat-template", str(template)]), (directory, []))]
+    assert runs[0].returncode == 0, runs[0].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("> ") and len(runs[0].stdout) > 4
 
 
 def test_an_unwritable_prefix_cache_file_is_refused_before_loading(tmp_path, capsys):
@@ -276,3 +313,61 @@ def test_a_reply_cut_by_the_model_length_says_so(mini):
     short = session(mini, max_model_len=n + 3, temperature=0, max_tokens=2, thinking=False).reply("Hi")
     assert (short.finish_reason, short.generated_tokens, short.context_full_at) == ("length", 2, None)
     assert "stopped at the token limit" in short.summary()
+
+
+# ---------------------------------------------------------------------------------------------- the shipped template
+# Questions of the kinds the shipped checkpoint was fine-tuned on (its model card), a key it never saw: a passkey
+# in a user turn (it answers with the key), then a question about the Python documentation.
+QUESTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz "
+            "you about the important information there. The grass is green. The sky is blue. The pass key is 27182. "
+            "Remember it. 27182 is the pass key. The sun is yellow. Here we go. There and back again. What is the "
+            "pass key?")
+FOLLOW_UP = "What is the while statement?"
+
+
+def shown(reasoning: str, content: str) -> str:
+    """What `hybrid chat` prints for a reply that thought, then answered (the `_Printer` layout)."""
+    reasoning = reasoning.lstrip()
+    end = "" if reasoning.endswith("\n") else "\n"
+    return f"Thinking...\n{reasoning}{end}...done thinking.\n\n{content.lstrip()}\n"
+
+
+def test_hybrid_chat_on_the_shipped_checkpoint_thinks_answers_and_ends_each_turn(shipped):
+    """`hybrid chat` with no model argument (the shipped checkpoint and its own template), stdin piped: each
+    reply closes its thinking, answers and ends its turn (<|im_end|>, not the token limit), equal to greedy
+    `generate_ids` on the conversation rendered apart; turn 2 resumes at turn 1's prompt."""
+    r = subprocess.run([sys.executable, "-m", "hybrid.cli", "chat", "--temperature", "0", "--max-tokens", "300",
+                        "--dtype", "fp32", "--threads", "2"],
+                       input=f"{QUESTION}\n{FOLLOW_UP}\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    messages = [{"role": "user", "content": QUESTION}]
+    reasoning1, content1, tokens1 = oracle(shipped, messages, 300)
+    messages += [{"role": "assistant", "content": content1}, {"role": "user", "content": FOLLOW_UP}]
+    reasoning2, content2, tokens2 = oracle(shipped, messages, 300)
+    assert all(part.strip() for part in (reasoning1, content1, reasoning2, content2)) and "27182" in content1
+    assert r.stdout == f"> {shown(reasoning1, content1)}> {shown(reasoning2, content2)}> \n"
+    turns = re.findall(r"\[turn (\d): (\d+) prompt tokens, (\d+) cached, \d+ computed \| (\d+) generated([^\]]*)\]",
+                       r.stderr)
+    assert [(t, int(p)) for t, p, _, _, _ in turns] == [("1", tokens1), ("2", tokens2)]
+    assert all(int(n) < 300 and "stopped" not in end for _, _, _, n, end in turns)  # ended by <|im_end|>
+    assert int(turns[1][2]) >= tokens1
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_hybrid_generate_chat_on_the_shipped_checkpoint(shipped, capsys, thinking):
+    """`hybrid generate --chat` with no model argument: the tokens of `hybrid.generate(chat=True)`; the reply
+    closes its thinking (or, with --no-enable-thinking, has none) and ends with <|im_end|>."""
+    _, model, tok = shipped
+    flags = [] if thinking else ["--no-enable-thinking"]
+    assert main(["generate", "--chat", "--prompt", QUESTION, "--max-new-tokens", "300", "--temperature", "0",
+                 "--dtype", "fp32", "--json", *flags]) == 0
+    out = json.loads(capsys.readouterr().out)
+    (c,) = hybrid.generate(model, tok, QUESTION, max_new_tokens=300, chat=True,
+                           **({} if thinking else {"enable_thinking": False}))
+    assert (out["token_ids"], out["text"]) == (c.token_ids, c.text)
+    assert out["finish_reason"] == "stop" and c.token_ids[-1] == tok.token_to_id("<|im_end|>")
+    if thinking:  # the prompt opened <think>: reasoning, </think>, the answer
+        reasoning, _, answer = c.text.partition("</think>")
+        assert reasoning.strip() and "27182" in answer and "<think>" not in c.text
+    else:
+        assert "<think>" not in c.text and "</think>" not in c.text and "27182" in c.text

@@ -323,3 +323,25 @@ def test_build_kernels_reports_each_kernel():
     off = subprocess.run([sys.executable, "-m", "hybrid.cli", "build-kernels"], capture_output=True, text=True,
                          env={**__import__("os").environ, "HYBRID_CPU_KERNELS": "0"}, timeout=300)
     assert off.returncode == 0 and "off" in off.stderr and off.stdout == ""
+
+
+def test_chat_template_file_replaces_the_checkpoints(ckpt, tmp_path):
+    """--chat-template FILE renders with FILE (vLLM's --chat-template), on generate, chat and serve alike."""
+    import hybrid
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}<{{ m.role }}> {{ m.content }}\n{% endfor %}<assistant>")
+    model, tok = hybrid.load(ckpt)
+    (theirs,) = hybrid.generate(model, tok, "The grass", max_new_tokens=6, chat=True)
+    tok.use_chat_template(template)
+    assert tok.apply_chat_template([{"role": "user", "content": "The grass"}]) == "<user> The grass\n<assistant>"
+    (ours,) = hybrid.generate(model, tok, "The grass", max_new_tokens=6, chat=True)
+    r = run("generate", str(ckpt), "--prompt", "The grass", "--chat", "--chat-template", str(template),
+            "--max-new-tokens", "6", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["prompt_tokens"], out["token_ids"]) == (ours.prompt_tokens, ours.token_ids) != \
+           (theirs.prompt_tokens, theirs.token_ids)
+    for command in (["generate", str(ckpt), "--prompt", "x", "--chat"], ["chat", str(ckpt)], ["serve", str(ckpt)]):
+        r = run(*command, "--chat-template", str(tmp_path / "missing.jinja"))
+        assert r.returncode == 2 and r.stderr.startswith("error: --chat-template ") and "missing.jinja" in r.stderr

@@ -66,11 +66,9 @@ def start(app) -> tuple[uvicorn.Server, threading.Thread, str]:
 def served(tmp_path_factory):
     directory = tmp_path_factory.mktemp("served") / "hybrid-mini"
     shutil.copytree(DEFAULT_CHECKPOINT, directory)
-    config_path = directory / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = TEMPLATE
-    config_path.write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(TEMPLATE)  # the shipped template's file, replaced
     model, tokenizer = hybrid.load(directory, dtype="fp32")
+    assert tokenizer.chat_template == TEMPLATE
     engine = Engine(model, num_blocks=1024, max_num_seqs=16, max_model_len=1024, prefix_caching=True,
                     snapshot_interval=16)
     runner = EngineRunner(engine, max_queue=64)
@@ -401,7 +399,8 @@ def test_bad_logprobs_are_a_400_naming_the_parameter(served):
 def test_penalties_equal_generate_alone_and_change_the_text(served):
     """frequency_penalty / presence_penalty (OpenAI's) and repetition_penalty (vLLM's, in the body): the same
     tokens as `hybrid.generate` with them (tests/test_penalties.py checks that against a reference)."""
-    prompt, penalties = "The for statement is used to", dict(frequency_penalty=0.6, presence_penalty=0.4)
+    # penalties strong enough to move this prompt's greedy text (the shipped model is sure of its memorised prose)
+    prompt, penalties = "The for statement is used to", dict(frequency_penalty=1.0, presence_penalty=1.0)
     r = served.client.completions.create(model="hybrid-mini", prompt=prompt, max_tokens=30, temperature=0,
                                          extra_body={"repetition_penalty": 1.8}, **penalties)
     text = alone(served, prompt, 30, repetition_penalty=1.8, **penalties)[0]
@@ -528,10 +527,14 @@ def test_the_runner_loop_on_the_callers_thread_serves_until_closed(served):
     assert got["r"].json()["choices"][0]["text"] == served.tokenizer.decode(alone)
 
 
-def test_the_shipped_checkpoint_has_no_chat_template_and_says_so(served):
+def test_a_checkpoint_without_a_chat_template_says_so(served, tmp_path):
+    directory = tmp_path / "untemplated"
+    shutil.copytree(DEFAULT_CHECKPOINT, directory)
+    (directory / "chat_template.jinja").unlink()
     engine = Engine(served.model, num_blocks=16, max_num_seqs=1)
     runner = EngineRunner(engine)
-    tokenizer = hybrid.load(DEFAULT_CHECKPOINT)[1]
+    tokenizer = hybrid.load(directory)[1]
+    assert tokenizer.chat_template is None
     transport = httpx.ASGITransport(app=create_app(Server(runner, tokenizer, "hybrid-mini")))
 
     async def ask():
@@ -543,6 +546,86 @@ def test_the_shipped_checkpoint_has_no_chat_template_and_says_so(served):
         assert r.status_code == 400 and "has no chat template" in r.json()["error"]["message"]
     finally:
         runner.close()
+
+
+# ---------------------------------------------------------------------------------------------- the shipped template
+# Questions of the kinds the shipped checkpoint was fine-tuned on (its model card), a key it never saw: a passkey
+# in a user turn (it answers with the key), then a question about the Python documentation.
+QUESTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. I will quiz "
+            "you about the important information there. The grass is green. The sky is blue. The pass key is 27182. "
+            "Remember it. 27182 is the pass key. The sun is yellow. Here we go. There and back again. What is the "
+            "pass key?")
+FOLLOW_UP = "What is the while statement?"
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped checkpoint as shipped (its own chat template), fp32, behind a real server."""
+    model, tokenizer = hybrid.load(DEFAULT_CHECKPOINT, dtype="fp32")
+    assert "<think>" in tokenizer.chat_template
+    engine = Engine(model, num_blocks=512, max_num_seqs=4, max_model_len=2048, prefix_caching=True,
+                    snapshot_interval=16)
+    runner = EngineRunner(engine)
+    server, thread, url = start(create_app(Server(runner, tokenizer, "hybrid-mini")))
+    yield SimpleNamespace(url=url, model=model, tokenizer=tokenizer, engine=engine, runner=runner,
+                          client=openai.OpenAI(base_url=url + "/v1", api_key="none"))
+    server.should_exit = True
+    thread.join(timeout=30)
+    runner.close()
+
+
+def test_the_shipped_checkpoint_reasons_then_answers_and_ends_its_turn(shipped):
+    """/v1/chat/completions on the shipped checkpoint through the openai client: the reply's reasoning is
+    closed (reasoning_content, then content) and the turn ends at <|im_end|> (finish_reason "stop"); both
+    equal `hybrid.generate` alone split at </think>, and streaming gives the same."""
+    messages = [{"role": "user", "content": QUESTION}]
+    r = shipped.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=300, temperature=0)
+    text, ids = alone(shipped, QUESTION, 300, chat=True)
+    reasoning, closed, content = text.partition("</think>")
+    choice = r.choices[0]
+    assert closed and ids[-1] == shipped.tokenizer.token_to_id("<|im_end|>") and choice.finish_reason == "stop"
+    assert choice.message.model_extra["reasoning_content"] == reasoning and reasoning.strip()
+    assert choice.message.content == content.lstrip("\n") and "27182" in content  # it found the passkey
+    assert r.usage.completion_tokens == len(ids)
+    reasoning_parts, content_parts, reasons = [], [], []
+    for chunk in shipped.client.chat.completions.create(model="hybrid-mini", messages=messages, max_tokens=300,
+                                                        temperature=0, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning_parts.append((delta.model_extra or {}).get("reasoning_content") or "")
+        content_parts.append(delta.content or "")
+        reasons.append(chunk.choices[0].finish_reason)
+    assert ("".join(reasoning_parts), "".join(content_parts)) == (reasoning, choice.message.content)
+    assert reasons[-1] == "stop"
+
+
+def test_the_shipped_checkpoint_without_thinking_answers_at_once(shipped):
+    """enable_thinking false (chat_template_kwargs): no reasoning, all content, the turn ended by <|im_end|>."""
+    r = shipped.client.chat.completions.create(model="hybrid-mini", messages=[{"role": "user", "content": QUESTION}],
+                                               max_tokens=300, temperature=0,
+                                               extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    text, ids = alone(shipped, QUESTION, 300, chat=True, enable_thinking=False)
+    message = r.choices[0].message
+    assert message.model_extra["reasoning_content"] == "" and message.content == text and "27182" in text
+    assert "<think>" not in text and "</think>" not in text
+    assert r.choices[0].finish_reason == "stop" and ids[-1] == shipped.tokenizer.token_to_id("<|im_end|>")
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_the_shipped_checkpoints_next_turn_resumes_at_the_previous_prompt(shipped, thinking):
+    """Multi-turn prefix reuse with the shipped template: turn 2's cached tokens cover turn 1's whole prompt,
+    with thinking (the dropped reasoning leaves `<think>\\n</think>\\n`, which continues turn 1's generation
+    prompt) and without (`<think></think>`)."""
+    extra = {} if thinking else {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    first = [{"role": "user", "content": QUESTION}]
+    r1 = shipped.client.chat.completions.create(model="hybrid-mini", messages=first, max_tokens=300, temperature=0,
+                                                **extra)
+    assert r1.choices[0].finish_reason == "stop" and r1.choices[0].message.content
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": FOLLOW_UP}]
+    r2 = shipped.client.chat.completions.create(model="hybrid-mini", messages=second, max_tokens=300, temperature=0,
+                                                **extra)
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens
+    assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.content
 
 
 # ---------------------------------------------------------------------------------------------- text pieces
@@ -671,10 +754,12 @@ def test_requests_take_the_checkpoints_sampling_defaults(served):
         assert (s.temperature, s.top_p, s.top_k) == (0.7, 0.9, 5)
         s = server.sampling({"temperature": 0.2, "top_k": -1})  # -1: no top-k (SamplingParams says None)
         assert (s.temperature, s.top_p, s.top_k) == (0.2, 0.9, None)
+        served.tokenizer.sampling_defaults = {}  # a generation_config.json without sampling fields
+        s, api = server.sampling({}), SamplingParams(1.0, -1, 1.0)
+        assert (s.temperature, s.top_p, s.top_k) == (api.temperature, api.top_p, api.top_k)  # the API's (OpenAI's)
     finally:
         served.tokenizer.sampling_defaults = before
-    s, api = Server(served.runner, served.tokenizer, "hybrid-mini").sampling({}), SamplingParams(1.0, -1, 1.0)
-    assert (s.temperature, s.top_p, s.top_k) == (api.temperature, api.top_p, api.top_k)  # the API's (OpenAI's)
+    assert before == {"temperature": 0.0}  # the shipped checkpoint's generation_config.json: do_sample false
 
 
 def test_each_finished_request_and_the_throughput_are_logged(served, caplog):

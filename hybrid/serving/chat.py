@@ -365,13 +365,18 @@ def chat(args) -> int:
 
     name = Path(str(args.model)).name
     directory = resolve_checkpoint(args.model)
-    if Tokenizer.from_dir(directory).chat_template is None:  # before the weights are read
+    template = Tokenizer.from_dir(directory)  # its chat template, checked before the weights are read
+    if args.chat_template is not None:
+        template.use_chat_template(args.chat_template)
+    if template.chat_template is None:
         raise NoChatTemplate(name)
     options = ChatOptions(system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, thinking=args.thinking)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(directory, dtype=args.dtype)
+    if args.chat_template is not None:
+        tokenizer.use_chat_template(args.chat_template)
     engine = build_engine(model, args, max_num_seqs=1)
     session = ChatSession(engine, tokenizer, options, name)
     if sys.stdin.isatty():

@@ -149,6 +149,8 @@ def serve(args) -> int:
         torch.set_num_threads(args.threads)
     _log_to_stderr(logging.getLogger("hybrid.serving"))  # a line per request and the throughput (runner.py)
     model, tokenizer = load(args.model, dtype=args.dtype)
+    if args.chat_template is not None:
+        tokenizer.use_chat_template(args.chat_template)
     engine = build_engine(model, args, args.max_num_seqs)
     runner = EngineRunner(engine, max_queue=args.max_queue, own_thread=False)
     name = args.served_model_name or Path(str(args.model)).name
