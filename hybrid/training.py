@@ -117,6 +117,25 @@ def lm_loss(model: HybridForCausalLM, tokens: torch.Tensor, mtp_weight: float = 
     return lm + mtp_weight * mtp_loss, parts
 
 
+def train_step(model: HybridForCausalLM, optimizer: torch.optim.Optimizer, balancer: "ExpertBalancer",
+               tokens: torch.Tensor, weights: torch.Tensor | None = None, mtp_weight: float = 0.0,
+               lr: float | None = None, max_grad_norm: float = 1.0) -> dict:
+    """One optimiser step on `tokens` [B, T+1] (`lm_loss` under bf16 autocast, gradients clipped to
+    `max_grad_norm`, then the expert balancer's bias update), at learning rate `lr` when given. Returns the
+    step's record: {"loss", "mtp_loss", "grad_norm", "max_over_mean_load"}."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, parts = lm_loss(model, tokens, mtp_weight, weights)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": parts["lm"], "mtp_loss": parts["mtp"], "grad_norm": grad_norm, **balancer.step()}
+
+
 class ExpertBalancer:
     """Counts the tokens each expert receives (training forwards only) and nudges the correction biases.
 

@@ -68,7 +68,7 @@ from hybrid.loading import build_model  # noqa: E402
 from hybrid.sampling import SamplingParams  # noqa: E402
 from hybrid.saving import save_checkpoint  # noqa: E402
 from hybrid.tokenizer import Tokenizer  # noqa: E402
-from hybrid.training import ExpertBalancer, learning_rate, lm_loss  # noqa: E402
+from hybrid.training import ExpertBalancer, learning_rate, lm_loss, train_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TEMPLATE = ROOT / "checkpoints" / "hybrid-mini" / "chat_template.jinja"
@@ -631,22 +631,12 @@ def main(argv: list[str] | None = None) -> int:
     history, tokens, start = [], 0, time.time()
     for step in tqdm(range(args.steps), unit="step", dynamic_ncols=True, disable=args.steps == 0):
         lr = learning_rate(step / args.steps, args.lr, args.warmup, final=0.1)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        model.train()
         chat_tokens, chat_weights = chat.batch(args.chat_rows)
         other_tokens, other_weights = original.batch(args.batch_size - args.chat_rows)
         batch, weights = torch.cat([chat_tokens, other_tokens]), torch.cat([chat_weights, other_weights])
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, parts = lm_loss(model, batch, args.mtp_weight, weights)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        load = balancer.step()
+        done = train_step(model, opt, balancer, batch, weights, args.mtp_weight, lr)
         tokens += batch.numel()
-        record = {"step": step + 1, "seconds": round(time.time() - start, 1), "tokens": tokens, "lr": lr,
-                  "loss": parts["lm"], "mtp_loss": parts["mtp"], "grad_norm": grad_norm, **load}
+        record = {"step": step + 1, "seconds": round(time.time() - start, 1), "tokens": tokens, "lr": lr, **done}
         if (step + 1) % args.eval_every == 0:
             model.eval()
             with torch.no_grad():

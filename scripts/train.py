@@ -35,7 +35,7 @@ from hybrid.dtypes import torch_dtype
 from hybrid.eval.tasks import fit_to_length
 from hybrid.loading import build_model
 from hybrid.saving import save_checkpoint
-from hybrid.training import ExpertBalancer, init_weights, learning_rate, lm_loss
+from hybrid.training import ExpertBalancer, init_weights, learning_rate, lm_loss, train_step
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2 = pad, bos, eos (the config's ids)
 
@@ -258,25 +258,16 @@ def main(argv: list[str] | None = None) -> int:
         if progress >= 1.0:
             break
         lr = learning_rate(progress, args.lr, args.warmup, final=0.1)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        model.train()
         batch, weights = data.batch(args.batch_size)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, parts = lm_loss(model, batch, args.mtp_weight, weights)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        load = balancer.step()
+        done = train_step(model, opt, balancer, batch, weights, args.mtp_weight, lr)
         step += 1
         tokens += batch.numel()
         elapsed = time.time() - start
-        bar.set_postfix(loss=f"{parts['lm']:.3f}", mtp=f"{parts['mtp']:.3f}" if parts["mtp"] else "-", lr=f"{lr:.1e}",
-                        tok_s=f"{tokens / elapsed:.0f}", load=f"{load['max_over_mean_load']:.2f}" if load["max_over_mean_load"] else "-")
+        bar.set_postfix(loss=f"{done['loss']:.3f}", mtp=f"{done['mtp_loss']:.3f}" if done["mtp_loss"] else "-",
+                        lr=f"{lr:.1e}", tok_s=f"{tokens / elapsed:.0f}",
+                        load=f"{done['max_over_mean_load']:.2f}" if done["max_over_mean_load"] else "-")
         bar.update(1 if args.steps else int(elapsed) - bar.n)
-        record = {"step": step, "seconds": round(elapsed, 1), "tokens": tokens, "lr": lr, "loss": parts["lm"],
-                  "mtp_loss": parts["mtp"], "grad_norm": grad_norm, **load}
+        record = {"step": step, "seconds": round(elapsed, 1), "tokens": tokens, "lr": lr, **done}
         if step % args.eval_every == 0:
             model.eval()
             record["val_loss"] = validation_loss(model, val, val_batches)
