@@ -1,41 +1,48 @@
-"""`hybrid serve` under load, with real HTTP clients, against the sequential Python API and llama.cpp's server.
+"""`hybrid serve` under load, with real HTTP clients, against llama.cpp's own server and the sequential Python API.
 
-    python scripts/bench_serve.py                      # the medium preset (scripts/bench.py's), 2K system prompt
+    python scripts/bench_serve.py                      # the medium preset (scripts/bench.py's), three workloads
     python scripts/bench_serve.py --quick              # seconds: the tiny preset in fp32, few requests (the smoke test)
 
-Every request is one shared system prompt (`--system-tokens`, exactly that many tokens, a multiple of the
-server's snapshot interval so that a hit resumes at its end) + a short question of its own (a different one
-for every request of the run), `--max-tokens` new tokens, greedy, streamed from `/v1/completions` by an
-`httpx` async client that times every server-sent event. Measured in one run, on the same checkpoint and
-threads (a preset's checkpoint is built once by `bench.make_checkpoint`):
+Three workloads (`--workloads`), each request `--max-tokens` new tokens, greedy, streamed from `/v1/completions`
+by an `httpx` async client that times every server-sent event:
 
-- **load levels** (`--clients`, default 1 4 16 64): that many clients in a closed loop (each sends its next
-  request when its last one ended) through `--requests` requests per level (default: 2 per client, at
-  least 8), after a warm-up request that leaves the system prompt cached. Per level: generated tokens/s of
-  all clients together (generated tokens / the level's wall time), aggregate decode tok/s (the tokens after
-  each stream's first event / the time during which any stream was between its first and last event: with
-  N streams decoding at once, N x their rate), time to first token and inter-token latency p50 / p99 (ITL:
-  the gaps between a stream's events, per token: our server is asked for logprobs, so each event lists its
-  tokens, and an event of k tokens, when a token's bytes ended no character, counts k gaps of 1/k of its
-  wait; llama.cpp's events count one token each), the prefix hit rate (the prompt tokens
-  `usage.prompt_tokens_details.cached_tokens` says the cache served, and `/metrics`' hits per admission)
-  and the server process's peak resident memory during the level (VmHWM, reset before each level);
-- **sequential**: the requests of the target level (16 clients, else the largest level below) one after
-  another through `hybrid.generate` with its prefix cache on (`hybrid.prefix_cache.PrefixCache`, warmed
-  with the system prompt as the server is), and batch-1 decode tok/s (`generate_ids` on one of the
-  prompts); these lone greedy responses are the references the server's are checked against;
-- **llama.cpp** (unless `--no-peer`; left out without the optional `llamacpp-peer` tool): its
-  OpenAI-compatible server (`llamacpp-peer serve`: llama-cpp-python's) on a GGUF of the same weights
-  (`llamacpp-peer convert`, as scripts/bench.py converts) under the same levels, prompts and client, with
-  fewer requests per level (`--peer-requests`, default one per client, at least 4: it runs one request at a
-  time, and re-evaluates each whole prompt, as its log says: it cannot cut a hybrid model's recurrent state
-  back to a shared prefix);
-- **a long prompt arriving while requests stream**: `--streams` (15) requests decode, then a
-  `--long-tokens` (8K) prompt of other text arrives; the p99 ITL of the streams from its arrival to its
-  first token (per token: the streams ask for logprobs, so an event that carries k tokens, when a token's
-  bytes ended no character, counts k gaps of 1/k of its wait), against one prefill chunk's time (the slowest 512-token chunk, the server's
+- **shared**: one shared system prompt (`--system-tokens`, exactly that many tokens, a multiple of the server's
+  snapshot interval so that a hit resumes at its end) + a short question of its own (a different one for every
+  request of the run), after a warm-up request that leaves the system prompt cached;
+- **distinct**: about `--distinct-tokens` (256) tokens of text no other request shares: plain batching, nothing
+  to reuse;
+- **chat**: one conversation per client of `--chat-turns` (4) requests, each turn's prompt the last one, its reply
+  and a new question (a chat's next turn extends the last), opened by a distinct text.
+
+Measured in one run, on the same checkpoint and threads (a preset's checkpoint is built once by
+`bench.make_checkpoint`):
+
+- **load levels** (`--clients`, default 1 4 16 64) of every workload: that many clients in a closed loop (each
+  sends its next request when its last one ended) through `--requests` requests per level (default: 2 per client,
+  at least 8; chat: a conversation per client). Per level: generated tokens/s of all clients together (generated
+  tokens / the level's wall time), aggregate decode tok/s (the tokens after each stream's first event / the time
+  during which any stream was between its first and last event: with N streams decoding at once, N x their
+  rate), time to first token and inter-token latency p50 / p99 (ITL: the gaps between a stream's events, per
+  token: our server is asked for logprobs, so each event lists its tokens, and an event of k tokens, when a
+  token's bytes ended no character, counts k gaps of 1/k of its wait; llama.cpp's events count one token each),
+  the prompt tokens served from cache (`usage.prompt_tokens_details.cached_tokens`, llama-server's
+  `timings.cache_n`; ours also `/metrics`' hits per admission) and the server process's peak resident memory
+  during the level (VmHWM, reset before each level);
+- **llama.cpp** (unless `--no-peer`; left out without the optional `llamacpp-peer` tool): its server on a GGUF of
+  the same weights (`llamacpp-peer convert`, as scripts/bench.py converts) under the same workloads, levels,
+  prompts and client, as many requests as ours: `llamacpp-peer serve` runs llama.cpp's own `llama-server` with
+  16 parallel slots over a 65,536-token cache (`PEER_SLOTS`, `PEER_CTX`) once `llamacpp-peer setup-server` has
+  built it (continuous batching: the fair peer), else llama-cpp-python's server (one request at a time; noted);
+- **sequential**: the shared workload's requests of the target level (16 clients, else the largest level below)
+  one after another through `hybrid.generate` with its prefix cache on (`hybrid.prefix_cache.PrefixCache`, warmed
+  with the system prompt as the server is), and batch-1 decode tok/s (`generate_ids` on one of the prompts);
+  these lone greedy responses are the references the server's are checked against;
+- **a long prompt arriving while requests stream**, on both servers: `--streams` (15) requests decode, then a
+  `--long-tokens` (8K) prompt of other text arrives; the p99 ITL of the streams from its arrival to its first
+  token (per token, as above), against (ours) one prefill chunk's time (the slowest 512-token chunk, the server's
   `max_num_batched_tokens`, of the same prompt alone) plus one decode step of `--streams` sequences, both
-  measured after the server stopped, on `hybrid.serving.engine.Engine` with the server's settings;
+  measured after the server stopped, on `hybrid.serving.engine.Engine` with the server's settings, and against
+  llama.cpp's;
 - **correctness** (unless `--soak 0`), in `--check-dtype` (fp32: there a batched forward gives exactly the
   tokens of a lone one; in bf16 it rounds differently, and on random weights, whose logits are nearly
   flat, greedy paths part at the first near-tie, so bf16 responses are only counted against their lone
@@ -50,12 +57,13 @@ threads (a preset's checkpoint is built once by `bench.make_checkpoint`):
   generated for disconnected requests after they left (from `/metrics`) are reported.
 
 The in-process parts (sequential, batch-1 decode, chunk and step, references) run on the main thread, the
-one that loaded the model, as the server runs its engine (`hybrid.serving.runner` says why). Targets,
-printed as pass / fall short with their ratios: at the target level aggregate decode tok/s >= 3x batch-1
-decode, total throughput >= 4x the sequential run, p99 TTFT with the system prompt cached <= 0.2 s,
-throughput >= llama.cpp's server at the same level; p99 ITL during the long prefill <= one chunk + one
-step; the correctness phase's checks. Nothing asserts a time: the ratios come
-from one run. JSON goes to `--out`; the servers' logs to `--workdir`/serve-bench-logs.
+one that loaded the model, as the server runs its engine (`hybrid.serving.runner` says why). Targets, printed as
+pass / fall short with their ratios, all measured in the same run: at the target level of every workload,
+throughput and p99 TTFT against llama.cpp's server (distinct prompts: >= 1.5x its throughput and <= half its
+TTFT; the other workloads: >= 1x and <= 1x); on the shared workload, aggregate decode tok/s >= 3x batch-1
+decode and throughput >= 4x the sequential run; p99 ITL during the long prefill <= one chunk + one step, and
+<= llama.cpp's; the correctness phase's checks. Nothing asserts a time. JSON goes to `--out`; the servers' logs to
+`--workdir`/serve-bench-logs.
 """
 
 from __future__ import annotations
@@ -87,6 +95,10 @@ DISCONNECT_FRACTION = 0.1
 # asked of our server: then each streamed event lists its tokens (a token whose bytes end no character sends no
 # text of its own and joins the next event), so ITL and decode rates count tokens, not text events
 TOKEN_COUNTS = {"logprobs": 0}
+WORKLOADS = ("shared", "distinct", "chat")
+# goals against llama.cpp's server at the target level: (throughput ratio >=, p99 TTFT ratio <=); distinct prompts
+# (nothing to reuse) are plain batching, where a batching server must beat it; elsewhere the ratios are reported
+PEER_GOALS = {"distinct": (1.5, 0.5)}
 _T0 = time.perf_counter()
 
 
@@ -141,28 +153,52 @@ def text_of_tokens(tokenizer, n: int, seed: int, exact: bool = True) -> str:
     raise ValueError(f"found no text of exactly {n} tokens")
 
 
+def _question(rng: random.Random, label: str) -> str:
+    return f"\n\nQuestion {label}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 12))) + "?\nAnswer:"
+
+
 @dataclass
 class Prompts:
+    """The prompts of every workload, each a pure function of its index (and the tokenizer)."""
+
     system: str
     system_tokens: int
-    questions: list[str]  # request i's prompt is system + questions[i]
+    questions: list[str]  # request i's prompt of the shared workload is system + questions[i]
     long: str
     long_tokens: int
     prefix_stable: bool  # every prompt's tokens start with the system prompt's
+    tokenizer: object = field(default=None, repr=False)
+    distinct_tokens: int = 256
+    _distinct: dict = field(default_factory=dict, repr=False)
 
     def prompt(self, i: int) -> str:
         return self.system + self.questions[i]
 
+    def distinct(self, i: int) -> str:
+        """Request i's prompt of the distinct workload (and conversation i's opening in the chat one): about
+        `distinct_tokens` tokens of text that no other request shares."""
+        if i not in self._distinct:
+            self._distinct[i] = text_of_tokens(self.tokenizer, self.distinct_tokens, seed=100_000 + i, exact=False)
+        return self._distinct[i]
 
-def make_prompts(tokenizer, system_tokens: int, num_questions: int, long_tokens: int) -> Prompts:
+    def follow_up(self, i: int, turn: int) -> str:
+        """The user's next question in conversation i after `turn` replies (the chat workload)."""
+        return _question(random.Random(1_000_000 * (turn + 1) + i), f"{turn + 1}")
+
+    def of(self, workload: str, i: int) -> str:
+        """Request i's prompt of a closed-loop workload ("shared" or "distinct")."""
+        return self.prompt(i) if workload == "shared" else self.distinct(i)
+
+
+def make_prompts(tokenizer, system_tokens: int, num_questions: int, long_tokens: int,
+                 distinct_tokens: int = 256) -> Prompts:
     system = text_of_tokens(tokenizer, system_tokens, seed=1)
     rng = random.Random(2)
-    questions = [f"\n\nQuestion {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 12))) + "?\nAnswer:"
-                 for i in range(num_questions)]
+    questions = [_question(rng, str(i)) for i in range(num_questions)]
     head = tokenizer.encode(system)
     stable = all(tokenizer.encode(system + q)[:len(head)] == head for q in questions[:32])
     long = text_of_tokens(tokenizer, long_tokens, seed=3, exact=False)
-    return Prompts(system, len(head), questions, long, len(tokenizer.encode(long)), stable)
+    return Prompts(system, len(head), questions, long, len(tokenizer.encode(long)), stable, tokenizer, distinct_tokens)
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -348,6 +384,9 @@ class Client:
                     if usage:
                         r.completion_tokens, r.prompt_tokens = usage.get("completion_tokens"), usage.get("prompt_tokens")
                         r.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    timings = chunk.get("timings")  # llama-server's: cache_n prompt tokens from its slot's cache
+                    if isinstance(timings, dict) and r.cached_tokens is None and "cache_n" in timings:
+                        r.cached_tokens = timings["cache_n"]
                     for choice in chunk.get("choices") or []:
                         if choice.get("text"):
                             r.events.append(time.perf_counter())
@@ -380,6 +419,25 @@ class Client:
         start = time.perf_counter()
         await asyncio.gather(*(one_client() for _ in range(clients)))
         return out, time.perf_counter() - start  # type: ignore[return-value]
+
+    async def conversations(self, openings: list[tuple[int, str]], turns: int, follow_up) -> tuple[list[Response], float]:
+        """One client per (index, opening) holding a conversation of `turns` requests: each turn's prompt is the
+        last one, its reply and `follow_up(index, turn)` (each prompt extends the one before, as a chat's next
+        turn does); returns every response and the wall time from the first send to the last end."""
+
+        async def one_conversation(index: int, prompt: str) -> list[Response]:
+            out = []
+            for turn in range(turns):
+                r = await self.stream(index, prompt)
+                out.append(r)
+                if r.error is not None:
+                    break
+                prompt = prompt + r.text + follow_up(index, turn)
+            return out
+
+        start = time.perf_counter()
+        runs = await asyncio.gather(*(one_conversation(i, opening) for i, opening in openings))
+        return [r for run in runs for r in run], time.perf_counter() - start
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -417,11 +475,15 @@ def summarize(responses: list[Response], wall: float, max_tokens: int) -> dict:
     }
 
 
-async def _run_level(client: Client, prompts: Prompts, indices: list[int], clients: int, server: ServerProcess,
-                     metrics: bool) -> dict:
+async def _run_level(client: Client, prompts: Prompts, workload: str, indices: list[int], clients: int,
+                     server: ServerProcess, metrics: bool, turns: int) -> dict:
     before = read_metrics(server.url) if metrics else None
     reset = server.reset_peak()
-    responses, wall = await client.closed_loop([(i, prompts.prompt(i), None) for i in indices], clients)
+    if workload == "chat":  # indices: the conversations' openings, one client each
+        responses, wall = await client.conversations([(i, prompts.distinct(i)) for i in indices], turns,
+                                                     prompts.follow_up)
+    else:
+        responses, wall = await client.closed_loop([(i, prompts.of(workload, i), None) for i in indices], clients)
     level = summarize(responses, wall, client.max_tokens)
     level["clients"] = clients
     level["peak_rss_bytes"] = server.peak() if reset else None
@@ -436,20 +498,23 @@ async def _run_level(client: Client, prompts: Prompts, indices: list[int], clien
 
 
 def run_levels(server: ServerProcess, model: str | None, prompts: Prompts, plan: list[tuple[int, list[int]]],
-               max_tokens: int, warmup: int, metrics: bool, extra: dict | None = None) -> dict:
-    """Warm the server with request `warmup` (it leaves the system prompt cached), then run each
-    (clients, prompt indices) level."""
+               max_tokens: int, warmup: int, metrics: bool, extra: dict | None = None, workload: str = "shared",
+               turns: int = 1) -> dict:
+    """Warm the server with request `warmup` of `workload` (the shared one's leaves the system prompt cached),
+    then run each (clients, prompt indices) level: closed-loop requests, or (chat) one conversation of `turns`
+    requests per client."""
 
     async def go():
         client = Client(server.url, model, max_tokens, max(c for c, _ in plan), extra)
         try:
-            warm = await client.stream(warmup, prompts.prompt(warmup))
+            warm = await client.stream(warmup, prompts.of("distinct" if workload == "chat" else workload, warmup))
             if warm.error:
                 raise RuntimeError(f"{server.name}: the warm-up request failed: {warm.error}")
             levels = {}
             for clients, indices in plan:
-                levels[str(clients)] = await _run_level(client, prompts, indices, clients, server, metrics)
-                log(f"  {server.name}: {clients} clients: {levels[str(clients)]['tok_s']:.1f} tok/s")
+                levels[str(clients)] = await _run_level(client, prompts, workload, indices, clients, server, metrics,
+                                                        turns)
+                log(f"  {server.name}, {workload}: {clients} clients: {levels[str(clients)]['tok_s']:.1f} tok/s")
             return {"warmup_prompt_tokens": warm.prompt_tokens, "levels": levels}
         finally:
             await client.close()
@@ -457,14 +522,16 @@ def run_levels(server: ServerProcess, model: str | None, prompts: Prompts, plan:
     return asyncio.run(go())
 
 
-def run_long_prompt(server: ServerProcess, model: str, prompts: Prompts, indices: list[int], max_tokens: int) -> dict:
+def run_long_prompt(server: ServerProcess, model: str | None, prompts: Prompts, indices: list[int], max_tokens: int,
+                    extra: dict | None = TOKEN_COUNTS) -> dict:
     """`len(indices)` requests stream; once each has its first token, the long prompt arrives. The streams'
     gaps that end between its arrival and its first token (its prefill) are the figure."""
 
     async def go():
         streams_max = 6 * math.ceil(prompts.long_tokens / SERVER_CHUNK) + 64  # they outlast the prefill
-        # logprobs: each event says how many tokens it carries (a token with no text of its own joins the next)
-        client = Client(server.url, model, max_tokens, len(indices) + 1, extra=TOKEN_COUNTS)
+        # ours asked for logprobs: each event says how many tokens it carries (a token with no text of its own
+        # joins the next); llama.cpp's events carry one token each
+        client = Client(server.url, model, max_tokens, len(indices) + 1, extra=extra)
         started, done = asyncio.Event(), asyncio.Event()
         first: set[int] = set()
 
@@ -632,8 +699,12 @@ def llamacpp_log_facts(log: Path) -> dict:
             "prompt_tokens_median": statistics.median(counts) if counts else None}
 
 
-def run_peer(args, gguf: Path, url: str, log_path: Path, prompts: Prompts, plan, warmup: int) -> dict:
-    """llama.cpp's server on `gguf` under the levels of `plan` (its first `--peer-requests` requests each)."""
+def run_peer(args, gguf: Path, url: str, log_path: Path, prompts: Prompts, plans: dict, warmup: int,
+             stream_indices: list[int]) -> dict:
+    """llama.cpp's server on `gguf` (`llamacpp-peer serve`: llama-server with `PEER_SLOTS` parallel slots when
+    `llamacpp-peer setup-server` built it, else llama-cpp-python's, one request at a time) under every workload's
+    levels of `plans` ({workload: (plan, turns)}; each level's first `--peer-requests` requests when given, else
+    all of them), then the long prompt while requests stream. Returns {"workloads": {workload: levels}, ...}."""
     port = url.rsplit(":", 1)[1]
     # llama-cpp-python's server serves one request at a time and by default (interrupt_requests) ends a
     # streaming response with [DONE] as soon as another request waits: under concurrent clients most of its
@@ -641,16 +712,26 @@ def run_peer(args, gguf: Path, url: str, log_path: Path, prompts: Prompts, plan,
     # pydantic-settings field, read from the environment) off: each request runs to its end, in turn.
     peer = ServerProcess("llama.cpp server", [args.peer_tool, "serve", str(gguf), port, str(args.threads)], url,
                          log_path, ready="/v1/models", env={"INTERRUPT_REQUESTS": "false"})
+    extra = {"repeat_penalty": 1.0, "seed": 0}  # llama-cpp-python's default penalty is 1.1
+    result: dict = {"workloads": {}}
     try:
-        peer_plan = [(c, indices[:args.peer_requests or max(4, c)]) for c, indices in plan]
-        result = run_levels(peer, None, prompts, peer_plan, args.max_tokens, warmup, metrics=False,
-                            extra={"repeat_penalty": 1.0, "seed": 0})  # llama-cpp-python's default penalty is 1.1
+        for workload, (plan, turns) in plans.items():
+            peer_plan = [(c, indices[:args.peer_requests] if args.peer_requests else indices) for c, indices in plan]
+            levels = run_levels(peer, None, prompts, peer_plan, args.max_tokens, warmup, metrics=False, extra=extra,
+                                workload=workload, turns=turns)
+            for level in levels["levels"].values():
+                level.pop("responses")
+            result["workloads"][workload] = levels
+        if stream_indices:
+            result["long_prompt"] = run_long_prompt(peer, None, prompts, stream_indices, args.max_tokens, extra)
         result["peak_rss_bytes"] = peer.overall_peak()
     finally:
         peer.stop()
-    for level in result["levels"].values():
-        level.pop("responses")
-    return {**result, "gguf": str(gguf), **llamacpp_log_facts(log_path)}
+    text = log_path.read_text(errors="replace")
+    result["server"] = "llama-server" if "llama-server" in text or "server is listening" in text else "llama-cpp-python"
+    if result["server"] == "llama-cpp-python":
+        result.update(llamacpp_log_facts(log_path))
+    return {**result, "gguf": str(gguf)}
 
 
 # ---------------------------------------------------------------------------------------------- in-process
@@ -727,19 +808,34 @@ def targets(report: dict) -> list[dict]:
                         "pass": value <= goal if below else value >= goal})
 
     key = str(report["target_level"])
-    ours = report["ours"]["levels"][key]
     seq = report["sequential"]
-    if ours["decode_tok_s"]:
-        add(f"{key} clients: aggregate decode tok/s / batch-1 decode", ours["decode_tok_s"] / seq["batch1_decode_tok_s"],
-            3.0, note=f"{ours['decode_tok_s']:.1f} / {seq['batch1_decode_tok_s']:.1f}")
-    add(f"{key} clients: throughput / sequential hybrid.generate", ours["tok_s"] / seq["tok_s"], 4.0,
-        note=f"{ours['tok_s']:.1f} / {seq['tok_s']:.1f}")
-    add(f"{key} clients: p99 TTFT, system prompt cached (s)", ours["ttft_p99_s"], 0.2, below=True)
-    peer = (report.get("llama.cpp") or {}).get("levels", {}).get(key)
-    if peer and peer.get("tok_s"):
-        add(f"{key} clients: throughput / llama.cpp server", ours["tok_s"] / peer["tok_s"], 1.0,
-            note=f"{ours['tok_s']:.1f} / {peer['tok_s']:.1f}")
+    shared = report["workloads"].get("shared")
+    if shared:
+        ours = shared["ours"]["levels"][key]
+        if ours["decode_tok_s"]:
+            add(f"shared, {key} clients: aggregate decode tok/s / batch-1 decode",
+                ours["decode_tok_s"] / seq["batch1_decode_tok_s"], 3.0,
+                note=f"{ours['decode_tok_s']:.1f} / {seq['batch1_decode_tok_s']:.1f}")
+        add(f"shared, {key} clients: throughput / sequential hybrid.generate", ours["tok_s"] / seq["tok_s"], 4.0,
+            note=f"{ours['tok_s']:.1f} / {seq['tok_s']:.1f}")
+    for workload, both in report["workloads"].items():  # against the peer in the same run
+        ours, peer = both["ours"]["levels"][key], (both.get("llama.cpp") or {}).get("levels", {}).get(key)
+        if not peer:
+            continue
+        goals = PEER_GOALS.get(workload, (1.0, 1.0))
+        if peer.get("tok_s"):
+            add(f"{workload}, {key} clients: throughput / llama.cpp server's", ours["tok_s"] / peer["tok_s"], goals[0],
+                note=f"{ours['tok_s']:.1f} / {peer['tok_s']:.1f} tok/s")
+        if ours.get("ttft_p99_s") and peer.get("ttft_p99_s"):
+            add(f"{workload}, {key} clients: p99 TTFT / llama.cpp server's", ours["ttft_p99_s"] / peer["ttft_p99_s"],
+                goals[1], below=True, note=f"{ours['ttft_p99_s']:.3f} / {peer['ttft_p99_s']:.3f} s")
     long, cost = report.get("long_prompt"), report.get("chunk_and_step")
+    peer_long = (report.get("llama.cpp") or {}).get("long_prompt")
+    if long and peer_long and long["itl_p99_s"] and peer_long["itl_p99_s"]:
+        add(f"p99 ITL during a {long['long_prompt_tokens']}-token prefill / llama.cpp server's",
+            long["itl_p99_s"] / peer_long["itl_p99_s"], 1.0, below=True,
+            note=f"{long['itl_p99_s']:.3f} / {peer_long['itl_p99_s']:.3f} s; its TTFT {long['long_ttft_s']:.2f} / "
+                 f"{peer_long['long_ttft_s']:.2f} s")
     if long and cost and long["itl_p99_s"] is not None:
         bound = cost["chunk_max_s"] + cost["decode_step_s"]
         add(f"p99 ITL during a {long['long_prompt_tokens']}-token prefill / (chunk + step)", long["itl_p99_s"] / bound,
@@ -766,15 +862,33 @@ def _f(v, spec: str = ".3f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+WORKLOAD_TEXT = {
+    "shared": "a shared system prompt of {system} tokens + a question of its own ({q} tokens)",
+    "distinct": "about {distinct} tokens of text no other request shares",
+    "chat": "conversations of {turns} turns, one per client: an opening of about {distinct} tokens, then each turn's "
+            "prompt the last one + its reply + a question",
+}
+
+
 def print_report(report: dict) -> None:
     p = report["prompts"]
-    print(f"{report['model']} | {report['dtype']} | {report['threads']} threads | system prompt {p['system_tokens']} "
-          f"tokens + a question of its own ({min(p['question_tokens'])}-{max(p['question_tokens'])} tokens), "
-          f"{report['max_tokens']} new tokens, greedy, streamed")
+    print(f"{report['model']} | {report['dtype']} | {report['threads']} threads | {report['max_tokens']} new tokens, "
+          f"greedy, streamed")
+    for workload, both in report["workloads"].items():
+        text = WORKLOAD_TEXT[workload].format(system=p["system_tokens"], distinct=p["distinct_tokens"],
+                                              turns=report["chat_turns"],
+                                              q=f"{min(p['question_tokens'])}-{max(p['question_tokens'])}")
+        print(f"\n{workload}: {text}")
+        _print_levels(both)
+    print()
+    _print_rest(report)
+
+
+def _print_levels(both: dict) -> None:
     print(f"{'server':18}{'clients':>8}{'requests':>9}{'tok/s':>9}{'decode':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}"
           f"{'ITL p99':>9}{'cached':>8}{'hits':>6}{'peak RSS MB':>12}")
     for name in ("ours", "llama.cpp"):
-        engine = report.get(name)
+        engine = both.get(name)
         if not engine:
             continue
         for level in engine["levels"].values():
@@ -786,13 +900,17 @@ def print_report(report: dict) -> None:
                   f"{_f(level['peak_rss_bytes'] and level['peak_rss_bytes'] / 1e6, ',.0f'):>12}"
                   + (f"  ({level['errors']} errors: {level['errors_seen'][0]})" if level["errors"] else "")
                   + (f"  ({level['cut_short']} cut short: no finish reason)" if level.get("cut_short") else ""))
+
+
+def _print_rest(report: dict) -> None:
     mb = lambda b: _f(b and b / 1e6, ",.0f")  # noqa: E731
     print(f"hybrid serve: resident {mb(report.get('server_rss_after_start_bytes'))} MB after start, "
           f"{mb(report.get('server_peak_rss_bytes'))} MB at its peak over the run"
           + (f"; llama.cpp server: {mb(report['llama.cpp'].get('peak_rss_bytes'))} MB at its peak"
              if report.get("llama.cpp") else ""))
     s = report["sequential"]
-    level = report["ours"]["levels"][str(report["target_level"])]
+    level = report["workloads"]["shared"]["ours"]["levels"][str(report["target_level"])] \
+        if "shared" in report["workloads"] else {}
     if "equal_to_reference" in level:
         print(f"hybrid serve, {level['clients']} clients: {level['equal_to_reference']} of {level['requests']} responses "
               f"equal to the sequential (lone greedy) ones" + ("" if report["dtype"] == report["check_dtype"] else
@@ -804,10 +922,11 @@ def print_report(report: dict) -> None:
     if report.get("peer_note"):
         print(f"llama.cpp: {report['peer_note']}")
     long, cost = report.get("long_prompt"), report.get("chunk_and_step")
-    if long:
-        print(f"{long['long_prompt_tokens']}-token prompt while {long['streams']} stream: its TTFT {long['long_ttft_s']:.2f} s; "
-              f"the streams' ITL during its prefill p50 {_f(long['itl_p50_s'])} p99 {_f(long['itl_p99_s'])} max "
-              f"{_f(long['itl_max_s'])} s ({long['itl_samples']} gaps)")
+    for name, lp in (("hybrid serve", long), ("llama.cpp server", (report.get("llama.cpp") or {}).get("long_prompt"))):
+        if lp:
+            print(f"{name}: a {lp['long_prompt_tokens']}-token prompt while {lp['streams']} stream: its TTFT "
+                  f"{lp['long_ttft_s']:.2f} s; the streams' ITL during its prefill p50 {_f(lp['itl_p50_s'])} p99 "
+                  f"{_f(lp['itl_p99_s'])} max {_f(lp['itl_max_s'])} s ({lp['itl_samples']} gaps)")
     if cost:
         print(f"engine alone: a {cost['chunk_tokens']}-token prefill chunk of it {cost['chunk_median_s']:.3f} s median, "
               f"{cost['chunk_max_s']:.3f} s slowest ({cost['chunks']} chunks); a decode step of "
@@ -867,7 +986,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-peer", action="store_true", help="leave llama.cpp's server out")
     p.add_argument("--peer-tool", default=str(PEER_TOOL), help="the optional external llamacpp-peer script")
     p.add_argument("--peer-requests", type=int, default=None,
-                   help="llama.cpp requests per level (default: one per client, at least 4)")
+                   help="llama.cpp requests per level (default: as many as ours; llama-server batches)")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                   help="shared: a shared system prompt + a question each; distinct: nothing shared; chat: "
+                        "multi-turn conversations, each turn extending the last (default: all three)")
+    p.add_argument("--distinct-tokens", type=int, default=None,
+                   help="tokens of a distinct prompt and of a conversation's opening (default 256)")
+    p.add_argument("--chat-turns", type=int, default=None, help="requests per conversation (default 4)")
     p.add_argument("--port", type=int, default=None, help="our server's port (default: a free one; llama.cpp: the next)")
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "hybrid-bench")
     p.add_argument("--out", type=Path, default=Path("serve_bench.json"))
@@ -882,7 +1007,11 @@ def main(argv: list[str] | None = None) -> int:
         args.streams = min(args.streams, 3)
         args.soak = 40 if args.soak is None else args.soak
         args.soak_clients = args.soak_clients or 4
+        args.distinct_tokens = args.distinct_tokens or 128
+        args.chat_turns = args.chat_turns or 2
     args.dtype = args.dtype or "bf16"
+    args.distinct_tokens = args.distinct_tokens or 256
+    args.chat_turns = args.chat_turns or 4
     args.clients = sorted(set(args.clients or [1, 4, 16, 64]))
     args.max_tokens = args.max_tokens or 64
     args.system_tokens = args.system_tokens or 2048
@@ -908,16 +1037,21 @@ def main(argv: list[str] | None = None) -> int:
         next_index += n
     stream_indices = list(range(next_index, next_index + args.streams))
     next_index += args.streams
-    prompts = make_prompts(tokenizer, args.system_tokens, next_index + 1, args.long_tokens)
+    prompts = make_prompts(tokenizer, args.system_tokens, next_index + 1, args.long_tokens, args.distinct_tokens)
+    chat_plan, first = [], 10_000  # conversation openings: indices no closed-loop request uses
+    for c, _ in levels:
+        chat_plan.append((c, list(range(first, first + c))))
+        first += c
+    plans = {w: ((chat_plan, args.chat_turns) if w == "chat" else (plan, 1)) for w in args.workloads}
     if not prompts.prefix_stable:
         print("note: some prompts do not start with the system prompt's tokens (the tokenizer merges across "
               "the boundary): their hits resume earlier", file=sys.stderr)
     target_indices = dict(plan)[target]
     report = {"model": str(args.checkpoint or args.preset), "dtype": args.dtype, "threads": args.threads,
               "max_tokens": args.max_tokens, "clients": args.clients, "target_level": target,
-              "check_dtype": args.check_dtype,
+              "check_dtype": args.check_dtype, "chat_turns": args.chat_turns, "workloads": {},
               "prompts": {"system_tokens": prompts.system_tokens, "long_tokens": prompts.long_tokens,
-                          "prefix_stable": prompts.prefix_stable,
+                          "prefix_stable": prompts.prefix_stable, "distinct_tokens": args.distinct_tokens,
                           "question_tokens": [len(tokenizer.encode(prompts.questions[i], add_special_tokens=False))
                                               for i in target_indices]}}
 
@@ -941,12 +1075,15 @@ def main(argv: list[str] | None = None) -> int:
     name = directory.name
     try:
         report["server_rss_after_start_bytes"] = server.rss()
-        report["ours"] = run_levels(server, name, prompts, plan, args.max_tokens, 0, metrics=True, extra=TOKEN_COUNTS)
-        for level in report["ours"]["levels"].values():  # the target level's prompts have references
-            check = check_responses(level.pop("responses"), references)
-            if check["compared"]:
-                level["equal_to_reference"] = check["equal"]
-        checkpoint("the load levels")
+        for workload, (levels_plan, turns) in plans.items():
+            ours = run_levels(server, name, prompts, levels_plan, args.max_tokens, 0, metrics=True, extra=TOKEN_COUNTS,
+                              workload=workload, turns=turns)
+            for level in ours["levels"].values():  # the shared workload's target level has references
+                check = check_responses(level.pop("responses"), references if workload == "shared" else {})
+                if check["compared"]:
+                    level["equal_to_reference"] = check["equal"]
+            report["workloads"][workload] = {"ours": ours}
+            checkpoint(f"the {workload} workload")
         log("long prompt while requests stream ...")
         wait_idle(url)
         report["long_prompt"] = run_long_prompt(server, name, prompts, stream_indices, args.max_tokens)
@@ -977,12 +1114,16 @@ def main(argv: list[str] | None = None) -> int:
             peer_url = f"http://127.0.0.1:{peer_port}"
             log(f"llama.cpp server on {peer_url} ...")
             try:
-                report["llama.cpp"] = run_peer(args, gguf, peer_url, log_dir / "llamacpp-serve.log", prompts, plan, next_index)
-                facts = report["llama.cpp"]
-                report["peer_note"] = (
-                    f"llama-cpp-python: {facts['prompt_tokens_median']} prompt tokens per request (ours: "
-                    f"{report['ours']['warmup_prompt_tokens']}); it re-evaluated the whole prompt "
-                    f"{facts['full_reevaluations']} times and reused a cached prefix {facts['prefix_hits']} times")
+                peer = run_peer(args, gguf, peer_url, log_dir / "llamacpp-serve.log", prompts, plans, next_index,
+                                stream_indices)
+                for workload, levels in peer.pop("workloads").items():
+                    report["workloads"][workload]["llama.cpp"] = levels
+                report["llama.cpp"] = peer
+                if peer["server"] == "llama-cpp-python":
+                    report["peer_note"] = (
+                        f"llama-cpp-python (one request at a time; `llamacpp-peer setup-server` builds llama-server): "
+                        f"{peer['prompt_tokens_median']} prompt tokens per request; it re-evaluated the whole prompt "
+                        f"{peer['full_reevaluations']} times and reused a cached prefix {peer['prefix_hits']} times")
             except Exception as e:  # our figures stand without the peer's
                 report["peer_note"] = f"failed: {type(e).__name__}: {str(e)[-1500:]}"
                 log(f"llama.cpp failed: {e}")

@@ -51,7 +51,7 @@ def test_quick_levels_have_real_numbers(quick):
     report, stdout, _ = quick
     assert report["clients"] == [1, 4] and report["target_level"] == 4
     for clients in ("1", "4"):
-        level = report["ours"]["levels"][clients]
+        level = report["workloads"]["shared"]["ours"]["levels"][clients]
         assert level["errors"] == 0 and level["requests"] == 8
         assert 0 < level["generated_tokens"] <= 8 * report["max_tokens"]
         for key in ("tok_s", "decode_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_rss_bytes"):
@@ -71,6 +71,23 @@ def test_quick_levels_have_real_numbers(quick):
     assert seq["cached_tokens_min"] >= report["prompts"]["system_tokens"]
 
 
+def test_quick_distinct_and_chat_workloads(quick):
+    """Distinct prompts share nothing (no prefix hit); a chat's turns each extend the last, so every turn after the
+    first resumes from the previous prompt's end (cached tokens at least its length)."""
+    report, stdout, _ = quick
+    turns = report["chat_turns"]
+    for clients in ("1", "4"):
+        distinct = report["workloads"]["distinct"]["ours"]["levels"][clients]
+        assert distinct["errors"] == 0 and distinct["requests"] == 8 and distinct["cached_tokens"] == 0
+        assert _positive(distinct["tok_s"]) and _positive(distinct["ttft_p99_s"])
+        chat = report["workloads"]["chat"]["ours"]["levels"][clients]
+        assert chat["errors"] == 0 and chat["requests"] == int(clients) * turns
+        # turn 1 of each conversation is new, every later turn resumes at the last prompt's end
+        assert chat["prefix_hits_per_admission"] == pytest.approx((turns - 1) / turns)
+        assert chat["cached_tokens"] >= int(clients) * (turns - 1) * report["prompts"]["distinct_tokens"] * 0.9
+    assert "distinct: about 128 tokens" in stdout and "chat: conversations of 2 turns" in stdout
+
+
 def test_quick_long_prompt_and_targets(quick):
     report, stdout, _ = quick
     long, cost = report["long_prompt"], report["chunk_and_step"]
@@ -78,9 +95,11 @@ def test_quick_long_prompt_and_targets(quick):
     assert cost["chunks"] >= 3 and _positive(cost["chunk_max_s"]) and _positive(cost["decode_step_s"])
     names = [t["target"] for t in report["targets"]]
     assert any("batch-1 decode" in n for n in names) and any("sequential" in n for n in names)
-    assert any("TTFT" in n for n in names) and any("chunk + step" in n for n in names)
+    assert not any("TTFT" in n for n in names)  # TTFT is a ratio to the peer's, and --quick has no peer
+    assert any("chunk + step" in n for n in names)
     ratio = next(t for t in report["targets"] if "sequential" in t["target"])
-    assert ratio["value"] == pytest.approx(report["ours"]["levels"]["4"]["tok_s"] / report["sequential"]["tok_s"], rel=1e-2)
+    shared = report["workloads"]["shared"]["ours"]["levels"]["4"]
+    assert ratio["value"] == pytest.approx(shared["tok_s"] / report["sequential"]["tok_s"], rel=1e-2)
     assert "llama.cpp" not in report  # --quick leaves the peer out
     assert stdout.count("pass") + stdout.count("fall short") == len(report["targets"])
 
@@ -99,7 +118,7 @@ def test_quick_correctness_phase_compares_responses_and_frees_everything(quick):
     fraction = next(t for t in report["targets"] if t["target"].startswith("soak (fp32)"))
     assert fraction["value"] == pytest.approx(soak["equal"] / 36, abs=1e-3) and not fraction["pass"]
     assert f"prompt {spoilt} differs" in stdout
-    assert report["ours"]["levels"]["4"]["equal_to_reference"] == 8  # fp32 levels: equal to the lone ones
+    assert report["workloads"]["shared"]["ours"]["levels"]["4"]["equal_to_reference"] == 8  # fp32: the lone ones
     assert soak["all_free"] and soak["after"] == {"requests_running": 0, "requests_waiting": 0, "kv_blocks_used": 0,
                                                   "state_slots_used": 0}
     assert _positive(soak["rss_before_bytes"]) and _positive(soak["rss_after_bytes"])
@@ -139,3 +158,25 @@ def test_statistics_and_exact_prompt_lengths():
     prompts = bench_serve.make_prompts(tok, 512, 4, 1024)
     assert prompts.system_tokens == 512 and prompts.prefix_stable
     assert len(set(prompts.questions)) == 4
+
+
+def test_targets_against_the_peer_are_ratios_of_the_same_run():
+    """At the target level of every workload: throughput and p99 TTFT as ratios to llama.cpp's server (distinct
+    prompts: >= 1.5x and <= 0.5x; the others >= 1x and <= 1x); no absolute time is a target."""
+    def level(tok_s, ttft):
+        return {"tok_s": tok_s, "ttft_p99_s": ttft, "decode_tok_s": tok_s}
+
+    report = {"target_level": 16, "sequential": {"tok_s": 10.0, "batch1_decode_tok_s": 20.0}, "workloads": {
+        "shared": {"ours": {"levels": {"16": level(80.0, 1.0)}}, "llama.cpp": {"levels": {"16": level(20.0, 4.0)}}},
+        "distinct": {"ours": {"levels": {"16": level(40.0, 3.0)}}, "llama.cpp": {"levels": {"16": level(32.0, 4.0)}}},
+        "chat": {"ours": {"levels": {"16": level(30.0, 1.0)}}}}}
+    got = {t["target"]: t for t in bench_serve.targets(report)}
+    distinct = got["distinct, 16 clients: throughput / llama.cpp server's"]
+    assert distinct["value"] == 1.25 and distinct["goal"] == 1.5 and not distinct["pass"]
+    ttft = got["distinct, 16 clients: p99 TTFT / llama.cpp server's"]
+    assert ttft["value"] == 0.75 and ttft["goal"] == 0.5 and ttft["below"] and not ttft["pass"]
+    shared = got["shared, 16 clients: throughput / llama.cpp server's"]
+    assert shared["value"] == 4.0 and shared["goal"] == 1.0 and shared["pass"]
+    assert got["shared, 16 clients: throughput / sequential hybrid.generate"]["value"] == 8.0
+    assert not any(name.startswith("chat") for name in got)  # no peer figures for it: nothing to compare
+    assert not any("(s)" in name for name in got)
