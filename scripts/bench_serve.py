@@ -73,6 +73,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import signal
 import socket
 import statistics
@@ -710,25 +711,36 @@ def run_peer(args, gguf: Path, url: str, log_path: Path, prompts: Prompts, plans
     # streaming response with [DONE] as soon as another request waits: under concurrent clients most of its
     # responses were cut after a few tokens and every switch re-evaluated a whole prompt. Its setting (a
     # pydantic-settings field, read from the environment) off: each request runs to its end, in turn.
+    # LLAMA_ARG_KV_UNIFIED: llama-server's slots share one KV buffer, as our requests share one pool (with -np 16
+    # and its own per-slot split, each slot holds 1/16 of the cache and the 8K prompt was refused)
     peer = ServerProcess("llama.cpp server", [args.peer_tool, "serve", str(gguf), port, str(args.threads)], url,
-                         log_path, ready="/v1/models", env={"INTERRUPT_REQUESTS": "false"})
-    extra = {"repeat_penalty": 1.0, "seed": 0}  # llama-cpp-python's default penalty is 1.1
-    result: dict = {"workloads": {}}
-    try:
+                         log_path, ready="/v1/models", env={"INTERRUPT_REQUESTS": "false", "LLAMA_ARG_KV_UNIFIED": "1"})
+    # llama-cpp-python's default penalty is 1.1; ignore_eos: every response runs to max_tokens, as ours do on these
+    # prompts (llama.cpp's greedy path reached the end-of-text token in a few, which ended a long-prompt stream)
+    extra = {"repeat_penalty": 1.0, "seed": 0, "ignore_eos": True}
+    result: dict = {"workloads": {}, "errors": []}
+    try:  # a phase that fails is noted; the others' figures stand
         for workload, (plan, turns) in plans.items():
             peer_plan = [(c, indices[:args.peer_requests] if args.peer_requests else indices) for c, indices in plan]
-            levels = run_levels(peer, None, prompts, peer_plan, args.max_tokens, warmup, metrics=False, extra=extra,
-                                workload=workload, turns=turns)
+            try:
+                levels = run_levels(peer, None, prompts, peer_plan, args.max_tokens, warmup, metrics=False,
+                                    extra=extra, workload=workload, turns=turns)
+            except Exception as e:
+                result["errors"].append(f"{workload}: {type(e).__name__}: {str(e)[-600:]}")
+                continue
             for level in levels["levels"].values():
                 level.pop("responses")
             result["workloads"][workload] = levels
         if stream_indices:
-            result["long_prompt"] = run_long_prompt(peer, None, prompts, stream_indices, args.max_tokens, extra)
+            try:
+                result["long_prompt"] = run_long_prompt(peer, None, prompts, stream_indices, args.max_tokens, extra)
+            except Exception as e:
+                result["errors"].append(f"long prompt: {type(e).__name__}: {str(e)[-600:]}")
         result["peak_rss_bytes"] = peer.overall_peak()
     finally:
         peer.stop()
     text = log_path.read_text(errors="replace")
-    result["server"] = "llama-server" if "llama-server" in text or "server is listening" in text else "llama-cpp-python"
+    result["server"] = "llama-server" if re.search(r"llama[-_]server|server is listening", text) else "llama-cpp-python"
     if result["server"] == "llama-cpp-python":
         result.update(llamacpp_log_facts(log_path))
     return {**result, "gguf": str(gguf)}
@@ -921,6 +933,8 @@ def _print_rest(report: dict) -> None:
           f"(generate_ids): {s['batch1_decode_tok_s']:.1f} tok/s")
     if report.get("peer_note"):
         print(f"llama.cpp: {report['peer_note']}")
+    for error in (report.get("llama.cpp") or {}).get("errors", []):
+        print(f"llama.cpp failed: {error}")
     long, cost = report.get("long_prompt"), report.get("chunk_and_step")
     for name, lp in (("hybrid serve", long), ("llama.cpp server", (report.get("llama.cpp") or {}).get("long_prompt"))):
         if lp:
@@ -1119,6 +1133,8 @@ def main(argv: list[str] | None = None) -> int:
                 for workload, levels in peer.pop("workloads").items():
                     report["workloads"][workload]["llama.cpp"] = levels
                 report["llama.cpp"] = peer
+                for error in peer["errors"]:
+                    log(f"llama.cpp: {error}")
                 if peer["server"] == "llama-cpp-python":
                     report["peer_note"] = (
                         f"llama-cpp-python (one request at a time; `llamacpp-peer setup-server` builds llama-server): "
