@@ -1052,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
     stream_indices = list(range(next_index, next_index + args.streams))
     next_index += args.streams
     prompts = make_prompts(tokenizer, args.system_tokens, next_index + 1, args.long_tokens, args.distinct_tokens)
-    chat_plan, first = [], 10_000  # conversation openings: indices no closed-loop request uses
+    chat_plan, first = [], next_index + 1  # conversation openings: after every index above and the peer's warm-up
     for c, _ in levels:
         chat_plan.append((c, list(range(first, first + c))))
         first += c
