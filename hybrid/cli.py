@@ -36,11 +36,19 @@ def _generate(args) -> int:
     """`hybrid generate`, in one process or, under torchrun, as one rank of a tensor-parallel run
     (`hybrid.parallel.launch`): every rank loads its shard and runs the same steps; rank 0 reads the prompt
     and alone prints (the other ranks' stdout and stderr are discarded; an error on any rank reaches rank 0)."""
+    from hybrid.devices import resolve_device
     from hybrid.parallel import launch
 
     if not launch.launched():
+        args.device = resolve_device(args.device)
         return _generate_on(args, 0, 1)
-    rank, world = launch.start(args.threads)
+    try:  # each rank its own GPU (cuda:{LOCAL_RANK}); a bad --device is printed by rank 0 alone
+        args.device = resolve_device(args.device, launch.local_rank())
+    except ValueError:
+        if launch.rank_from_environment() != 0:
+            return 2
+        raise
+    rank, world = launch.start(args.threads, args.device)
     try:
         if rank == 0:
             status = _generate_on(args, rank, world)
@@ -114,12 +122,13 @@ def _generate_on(args, rank: int, world: int) -> int:
     with warnings.catch_warnings(record=True) as notes:  # load-time notes (e.g. tokens past the vocabulary)
         warnings.simplefilter("always")
         if world == 1:
-            model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant, mmap=args.mmap)
+            model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant, mmap=args.mmap,
+                                    device=args.device)
         else:  # every rank learns of an error on any rank, instead of waiting for it in a collective
             error = None
             try:
                 model, tokenizer = load(args.model, dtype=args.dtype, act_quant=args.act_quant, mmap=args.mmap,
-                                        tensor_parallel=world, progress=rank == 0)
+                                        tensor_parallel=world, progress=rank == 0, device=args.device)
             except (ValueError, OSError) as e:
                 error = str(e)
             error = launch.agree(error)
@@ -255,16 +264,20 @@ def _engine_args_ok(args) -> bool:
 def _serve(args) -> int:
     if not _engine_args_ok(args):
         return 2
+    from hybrid.devices import resolve_device
     from hybrid.serving.serve import serve
 
+    args.device = resolve_device(args.device)
     return serve(args)
 
 
 def _chat(args) -> int:
     if not _engine_args_ok(args):
         return 2
+    from hybrid.devices import resolve_device
     from hybrid.serving.chat import chat
 
+    args.device = resolve_device(args.device)
     return chat(args)
 
 
@@ -316,6 +329,11 @@ def _info(args) -> int:
         capacity = plan_capacity(config, dtype, args.memory, quant, max_model_len=args.max_model_len,
                                  max_num_seqs=args.max_num_seqs, block_size=args.block_size, ranks=ranks)
         report["capacity"] = capacity.to_dict()
+    if args.device is not None:
+        from hybrid.devices import describe as backends, resolve_device, switches
+
+        device = resolve_device(args.device)
+        report["backends"] = {"device": str(device), "operations": backends(device), "switches": switches(device)}
     fits = capacity is None or capacity.fits  # a budget that cannot hold the model: status 1, as a failed check
     if args.json:
         print(json.dumps(report, indent=2))
@@ -340,6 +358,10 @@ def _info(args) -> int:
         _print_capacity(capacity)
     if args.tensor_parallel is not None:
         _print_ranks(report["tensor_parallel"])
+    if "backends" in report:
+        on = report["backends"]
+        print(f"{'on ' + on['device']:<15}" + f"\n{'':<15}".join(
+            [f"{op}: {how}" for op, how in on["operations"].items()] + on["switches"]))
     return 0 if fits else 1
 
 
@@ -394,11 +416,13 @@ def _quantize(args) -> int:
     from hybrid.calibration import calibration_batches, read_calibration_file
     from hybrid.checkpoint_files import resolve_checkpoint
     from hybrid.checkpoint_writer import check_destination
+    from hybrid.devices import resolve_device
     from hybrid.quantize import has_static_inputs, quantize_checkpoint
     from hybrid.tokenizer import Tokenizer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
     src, dst = resolve_checkpoint(args.src), Path(args.dst)
     # before any work: the calibration text, where it goes, and that it can be created
     texts = [read_calibration_file(args.calibration_file)] if args.calibration_file else None
@@ -412,7 +436,7 @@ def _quantize(args) -> int:
     try:
         report = quantize_checkpoint(src, dst, args.format, exclude=args.exclude, calibration=batches,
                                      dtype=args.dtype, max_shard_bytes=args.max_shard_bytes,
-                                     overwrite=args.overwrite, progress=True)
+                                     overwrite=args.overwrite, progress=True, device=device)
     except (OSError, SafetensorError) as e:  # a full disk, a lost mount: nothing was changed
         print(f"error: writing {dst} failed ({e}); {dst} was left as it was", file=sys.stderr)
         return 1
@@ -481,6 +505,13 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens between the prefix cache's Mamba snapshots (a hit resumes at the last one "
                         "inside the shared prefix, or at an earlier prompt's end; each weighs one state slot; a "
                         "multiple of 16; default: %(default)s)")
+
+
+def _device_option(p: argparse.ArgumentParser, more: str = "") -> None:
+    """`--device` (resolved by `hybrid.devices.resolve_device` when the command runs: parsing stays free of torch)."""
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="cpu, cuda or cuda:N (default: cuda when a CUDA device is available, else cpu)"
+                        + (f"; {more}" if more else ""))
 
 
 def _chat_template_option(p: argparse.ArgumentParser) -> None:
@@ -620,6 +651,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=_threads, default=None,
                    help="torch CPU threads (default: torch's choice; under torchrun, this host's CPUs divided "
                         "among its ranks)")
+    _device_option(g, "under torchrun, rank r runs on cuda:{LOCAL_RANK} with NCCL (gloo on the CPU)")
     g.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (W8A8 / W4A4 emulation)")
     g.add_argument("--speculative", type=_non_negative_int, default=0, metavar="N",
@@ -647,6 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget (32GB, 24GiB) that sizes the state slots and KV blocks after the weights")
     v.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
     v.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
+    _device_option(v)
     v.add_argument("--max-queue", type=_non_negative_int, default=256,
                    help="requests that may wait besides the running ones; past it: 503 with Retry-After "
                         "(default: %(default)s)")
@@ -680,6 +713,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget (32GB, 24GiB) that sizes the KV blocks after the weights")
     c.add_argument("--dtype", choices=dtypes, default=None, help="default: the checkpoint's dtype")
     c.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
+    _device_option(c)
     c.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="resume each turn from the previous prompt's cached state (default: on)")
     c.add_argument("--prefix-cache-file", default=None, metavar="FILE",
@@ -703,6 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--tensor-parallel", type=_positive_int, default=None, metavar="N",
                    help="also what each of N tensor-parallel ranks holds (weights, KV cache, Mamba state) and the "
                         "collectives per decoded token")
+    i.add_argument("--device", default=None, metavar="DEVICE",
+                   help="also name what runs each operation on DEVICE (cpu, cuda, cuda:N): kernel or PyTorch")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(func=_info)
 
@@ -729,6 +765,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest weight shard in bytes (default: %(default)s, 512 MiB)")
     q.add_argument("--overwrite", action="store_true", help="replace DST if it exists and is not empty")
     q.add_argument("--threads", type=_threads, default=None, help="torch CPU threads (default: torch's choice)")
+    _device_option(q, "where the calibration runs")
     q.set_defaults(func=_quantize)
     return parser
 
@@ -779,10 +816,10 @@ def _silence_stdout(stream) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the `hybrid` command; returns the exit status: 0; 1 (writing stdout failed: one `error:` line; also
-    `serve` unable to bind or start, `quantize` unable to write, a kernel `build-kernels` could not build, a model
-    that does not fit `info --memory`); 2 (a usage, config, checkpoint or value error: one `error:` line); 130
-    (`chat` ended by Ctrl-C); or 141 (stdout was closed, as by `| head`: quietly, like a command killed by
-    SIGPIPE). Warnings print as one `note:` line each."""
+    `serve` unable to bind or start, `quantize` unable to write, a kernel `build-kernels` could not build, a
+    model that does not fit `info --memory`); 2 (a usage, config, checkpoint or value error, or a required GPU
+    kernel missing: one `error:` line); 130 (`chat` ended by Ctrl-C); or 141 (stdout was closed, as by `| head`:
+    quietly, like a command killed by SIGPIPE). Warnings print as one `note:` line each."""
     from hybrid.parallel import launch
 
     if launch.launched() and os.environ.get("RANK", "0") != "0":  # a usage error: printed by rank 0 alone
@@ -792,6 +829,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     from hybrid.checkpoint_files import CheckpointError
     from hybrid.config import ConfigError
+    from moe.quant.kernels.backend import KernelUnavailable
 
     real_stdout, shown = sys.stdout, warnings.showwarning
     sys.stdout, warnings.showwarning = _GuardedStdout(real_stdout), _show_note
@@ -799,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         status = args.func(args)
         sys.stdout.flush()
         return status
-    except (ConfigError, CheckpointError, ValueError) as e:
+    except (ConfigError, CheckpointError, ValueError, KernelUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -47,6 +47,7 @@ from hybrid.ops import cpu as cpu_kernels
 from moe.prepack import prepackable
 from moe.quant import PackedExperts, PackedWeight, PrepackedLinear, QuantFormat, QuantLinear, swap_modules
 from moe.quant.config import QuantConfig
+from moe.quant.kernels import backend
 from moe.quant.kernels import bf16
 
 # `...experts.up_proj` (a float bank) or `...experts.up_proj.weight_scale` (a packed bank's tensors)
@@ -131,12 +132,17 @@ def load_model(
         ValueError: `tensor_parallel` differs from the process group's size. ConfigError: sizes that do not
             split `tensor_parallel` ways, packed weights included (a rank's input columns of a packed
             row-parallel weight that cut a scale block; names the module and format).
+        KernelUnavailable: HYBRID_REQUIRE_CUDA_KERNELS=1 and a kernel package of the GPU path does not import
+            (checked before anything is read: `hybrid.devices.check_required_kernels`).
     """
+    from hybrid.devices import check_required_kernels
+
+    check_required_kernels(device)
     directory = resolve_checkpoint(path_or_repo, revision)
     config = HybridConfig.from_file(directory / "config.json")
     quant = read_quant_config(directory, config)
     sharded = parallel.rank_plan(config, tensor_parallel, quant)
-    if torch.device(device).type == "cpu":
+    if backend.cpu_kernels_on(device):
         cpu_kernels.build_kernels()  # all at once, now: never compiled between two tokens of a generation
     model = build_model(config, parse_dtype(dtype, config))
     files = CheckpointFiles(directory)
@@ -149,7 +155,7 @@ def load_model(
         files = ShardedFiles(files, plan, full_shapes(full), shards, packed_names(full))
     if quant is not None:
         register_kv_scales(model, quant, files)
-    prepack = prepack and model.dtype == torch.bfloat16 and torch.device(device).type == "cpu" and bf16.available()
+    prepack = prepack and model.dtype == torch.bfloat16 and backend.cpu_kernels_on(device) and bf16.available()
     load_weights(model, files, device, prepack=prepack, progress=progress, mmap=mmap)
     if sharded is not None:
         narrow_outputs(model, subsets)
@@ -220,7 +226,7 @@ def load_weights(model: HybridForCausalLM, files: CheckpointFiles, device: str |
     from tqdm import tqdm
 
     total = sum(files.nbytes(s) for names in sources.values() for s in names)
-    inference = torch.device(device).type == "cpu" and bool(packable or mappable)  # weights packed or mapped
+    inference = backend.cpu_kernels_on(device) and bool(packable or mappable)  # weights packed or mapped
     views = _viewable(targets, files, sources) if mmap and inference else {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="load", delay=2, disable=not progress) as bar:
         loaded, _, _ = read_tensors({n: t for n, t in targets.items() if n not in views}, files, device, model)
@@ -335,7 +341,7 @@ def _packed(name: str, module: nn.Module, files: CheckpointFiles, model: HybridF
 def _mappable(model: HybridForCausalLM, files: CheckpointFiles, device: str | torch.device) -> dict[str, PackedWeight]:
     """{name: packed expert stack} of the stacks to hold per expert (`moe.quant.PackedExperts`): on the CPU,
     those whose file tensors are per expert (an already stacked checkpoint loads into stacks)."""
-    if torch.device(device).type != "cpu":
+    if not backend.cpu_kernels_on(device):
         return {}
     return {name: m for name, m in model.named_modules() if isinstance(m, PackedWeight) and m.n_experts is not None
             and not any(f"{name}.{t}" in files for t, _ in m.named_buffers(recurse=False))}

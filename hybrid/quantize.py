@@ -146,12 +146,13 @@ class _FileExpertBank(ExpertBank):
     (a copy in the model dtype, the file's pages released at once), so a calibration pass over it holds one
     expert at a time."""
 
-    def __init__(self, files: CheckpointFiles, prefix: str, bank: ExpertBank, model: HybridForCausalLM):
+    def __init__(self, files: CheckpointFiles, prefix: str, bank: ExpertBank, model: HybridForCausalLM,
+                 device: torch.device | str = "cpu"):
         nn.Module.__init__(self)  # no stacked parameters: the experts stay in the files
         E, I, L = bank.up_proj.shape
         dtype = bank.up_proj.dtype
         self.experts = E
-        self.read = lambda e, proj, shape: _read_expert(files, prefix, e, proj, shape, dtype, model)  # not a submodule
+        self.read = lambda e, proj, shape: _read_expert(files, prefix, e, proj, shape, dtype, model).to(device)
         self.shapes = {"up_proj": (I, L), "down_proj": (L, I)}
 
     @property
@@ -173,10 +174,12 @@ def _read_expert(files: CheckpointFiles, bank: str, e: int, proj: str, shape, dt
     return t
 
 
-def _materialize(module: nn.Module, prefix: str, files: CheckpointFiles, model: HybridForCausalLM) -> None:
-    """Give `module` (a meta submodule of `model`, named `prefix`) its tensors from the files, in place."""
+def _materialize(module: nn.Module, prefix: str, files: CheckpointFiles, model: HybridForCausalLM,
+                 device: torch.device | str = "cpu") -> None:
+    """Give `module` (a meta submodule of `model`, named `prefix`) its tensors from the files, on `device`, in
+    place."""
     targets = {prefix + n: t for n, t in module.state_dict(keep_vars=True).items()}
-    loaded, used, missing = read_tensors(targets, files, "cpu", model)
+    loaded, used, missing = read_tensors(targets, files, device, model)
     if missing:
         raise CheckpointError(f"{files.directory}: {len(missing)} tensor(s) the config needs are missing: {missing[:8]}")
     for name in used:
@@ -186,13 +189,14 @@ def _materialize(module: nn.Module, prefix: str, files: CheckpointFiles, model: 
 
 @torch.no_grad()
 def calibrate_streamed(files: CheckpointFiles, config: HybridConfig, dtype: torch.dtype, qc: QuantConfig,
-                       batches: list[torch.Tensor], progress: str | None = None) -> InputAmax:
+                       batches: list[torch.Tensor], progress: str | None = None,
+                       device: torch.device | str = "cpu") -> InputAmax:
     """`calibrate` without the model in memory: the batches' hidden states go through one layer at a time,
     each layer's weights read from `files` for its turn (a bank's experts one at a time) and dropped after.
     Records bit for bit what `calibrate` records on the loaded model (the same operations on the same
     numbers, only in another order). `progress`: the description of a tqdm bar over the layers (None: no
     bar; a Nano-sized MoE layer takes long enough on a small CPU to want one:
-    docs/perf-log.md#calibration-progress)."""
+    docs/perf-log.md#calibration-progress). `device`: where the layers run (their weights read onto it)."""
     model = build_model(config, dtype)  # meta: names, shapes and dtypes
     stats = InputAmax()
 
@@ -201,8 +205,9 @@ def calibrate_streamed(files: CheckpointFiles, config: HybridConfig, dtype: torc
         for name, child in list(module.named_modules()):
             if isinstance(child, ExpertBank):  # experts from the files, one at a time
                 parent, _, attr = name.rpartition(".")
-                setattr(module.get_submodule(parent), attr, _FileExpertBank(files, f"{prefix}{name}", child, model))
-        _materialize(module, prefix, files, model)
+                setattr(module.get_submodule(parent), attr,
+                        _FileExpertBank(files, f"{prefix}{name}", child, model, device))
+        _materialize(module, prefix, files, model, device)
         named = [((prefix + name) if name else prefix[:-1], m) for name, m in module.named_modules()]
         handles = [stats.attach(full, m) for full, m in named if _calibrated(full, m, qc)]
         outputs = [module(h, StepContext(past=0, mask=None, key_mask=None)) if prefix.startswith("backbone.layers.")
@@ -212,7 +217,7 @@ def calibrate_streamed(files: CheckpointFiles, config: HybridConfig, dtype: torc
         module.to_empty(device="meta")  # drop this layer's weights
         return outputs
 
-    hidden = run_part("backbone.embeddings.", model.backbone.embeddings, [ids.cpu() for ids in batches])
+    hidden = run_part("backbone.embeddings.", model.backbone.embeddings, [ids.to(device) for ids in batches])
     layers = enumerate(model.backbone.layers)
     if progress:
         from tqdm import tqdm
@@ -303,12 +308,13 @@ def _write_tensors(writer: CheckpointWriter, out: HybridForCausalLM, files: Chec
 def quantize_checkpoint(source: str | Path, destination: str | Path, fmt_name: str, exclude: list[str] | None = None,
                         calibration: list[torch.Tensor] | None = None, dtype: str | torch.dtype | None = None,
                         max_shard_bytes: int | None = 512 * 2**20, overwrite: bool = False,
-                        progress: bool = False) -> WriteReport:
+                        progress: bool = False, device: torch.device | str = "cpu") -> WriteReport:
     """Quantize the float checkpoint `source` into `destination` tensor by tensor (see the module docstring).
 
     calibration: token batches ([1, T] int64 each) for the static input scales (FP8, NVFP4); dtype: of the
     unquantized tensors and the calibration (default: the config's). progress: tqdm bars over the calibration's
-    layers and the source tensors. Returns the writer's report (shards, copied files).
+    layers and the source tensors. device: where the calibration runs. Returns the writer's report (shards,
+    copied files).
     Raises:
         WriteError: the destination is the source, inside or around it, not empty without `overwrite`, or
             cannot be created (checked before anything else is done).
@@ -327,7 +333,7 @@ def quantize_checkpoint(source: str | Path, destination: str | Path, fmt_name: s
         qc = plan(config, fmt_name, exclude)
         files = CheckpointFiles(src)
         bar = f"calibrate {fmt_name}" if progress else None
-        stats = (calibrate_streamed(files, config, dtype, qc, calibration, bar)
+        stats = (calibrate_streamed(files, config, dtype, qc, calibration, bar, device)
                  if calibration and has_static_inputs(fmt_name) else InputAmax())
         out = build_model(config, dtype)  # meta: the output's modules, names, shapes and dtypes
         quantize_modules(out, qc)

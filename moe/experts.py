@@ -49,9 +49,12 @@ def _sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, to
 
 
 def _combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, T: int,
-             dtype: torch.dtype) -> torch.Tensor:
-    """Expert outputs of the sorted pairs [T*k, L] -> their weighted sum per token [T, L], summed in fp32."""
+             dtype: torch.dtype, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Expert outputs of the sorted pairs [T*k, L] -> their weighted sum per token [T, L], summed in fp32.
+    `valid` [T*k] bool: the sorted pairs to sum (the others' rows may hold anything, NaN included)."""
     y = y.float() * weights.reshape(-1)[order, None]
+    if valid is not None:
+        y = torch.where(valid[:, None], y, 0.0)
     return torch.zeros(T, y.shape[-1], dtype=torch.float32, device=y.device).index_add_(0, token_of, y).to(dtype)
 
 
@@ -192,14 +195,21 @@ class QuantExpertBank(nn.Module):
 
     def fused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The forward with both projections of all chosen experts in two grouped Triton launches (weights
-        decoded in registers; `moe.quant.kernels.triton`). Needs triton and two supported packed formats."""
+        decoded in registers; `moe.quant.kernels.triton`). Needs triton and two supported packed formats.
+
+        Pairs whose id lies outside [0, E) (experts another rank holds) are skipped as `dispatch` skips them:
+        sorted after every expert here, given no row tile, and left out of the sum (without a host round trip).
+        """
         from moe.quant.kernels import triton
 
-        order, token_of, counts = _sort_by_expert(ids, self.n_experts)
-        tiles = triton.row_tiles(counts)
+        E = self.n_experts
+        inside = (ids >= 0) & (ids < E)
+        ids = torch.where(inside, ids, E)  # one bin past the last expert
+        order, token_of, counts = _sort_by_expert(ids, E + 1)
+        tiles = triton.row_tiles(counts[:E])  # rows of the bin past E: no tile, never computed
         h = triton.grouped_matmul(x[token_of], self.up_proj, tiles)
         y = triton.grouped_matmul(relu2(h), self.down_proj, tiles)
-        return _combine(y, weights, order, token_of, ids.shape[0], x.dtype)
+        return _combine(y, weights, order, token_of, ids.shape[0], x.dtype, valid=inside.reshape(-1)[order])
 
     @classmethod
     def from_bank(cls, bank: ExpertBank, up_fmt: QuantFormat | None, down_fmt: QuantFormat | None,

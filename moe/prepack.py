@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from moe.experts import ExpertBank, PrepackedExpertBank
-from moe.quant.kernels import bf16
+from moe.quant.kernels import backend, bf16
 from moe.quant.prepacked import Prepacked, PrepackedLinear
 from moe.quant.swap import swap_modules
 
@@ -26,8 +26,8 @@ def prepackable(model: nn.Module, device: str | torch.device | None = None) -> d
               for p in m.parameters(recurse=False)}
 
     def eligible(weight: torch.Tensor) -> bool:
-        on = torch.device(device).type if device is not None else weight.device.type
-        return weight.dtype == torch.bfloat16 and on == "cpu" and id(weight) not in shared
+        on = device if device is not None else weight.device
+        return weight.dtype == torch.bfloat16 and backend.cpu_kernels_on(on) and id(weight) not in shared
 
     return {name: m for name, m in model.named_modules()
             if (type(m) is nn.Linear and eligible(m.weight)) or (type(m) is ExpertBank and eligible(m.up_proj))}

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from moe.quant.kernels import backend
+
 SOURCE = Path(__file__).with_name("cpu_router.cpp")
 KERNEL_ROWS = 16  # the most tokens routed by the C++ kernel; a prefill chunk's product is a BLAS GEMM's work
 
@@ -97,7 +99,7 @@ class TopkRouter(nn.Module):
     def _kernel_takes(self, x: torch.Tensor) -> bool:
         """Whether `x` goes to the C++ router: a CPU tensor of at most `KERNEL_ROWS` fp32 / bf16 rows, fp32
         contiguous parameters, no autograd (training differentiates the PyTorch path), and the kernel built."""
-        return (x.device.type == "cpu" and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_ROWS
+        return (backend.cpu_kernels(x) and x.dim() == 2 and 0 < x.shape[0] <= KERNEL_ROWS
                 and x.dtype in (torch.float32, torch.bfloat16)
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
                 and self.weight.dtype == torch.float32 and self.weight.is_contiguous()

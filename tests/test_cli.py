@@ -1,6 +1,7 @@
 """The `hybrid` command, run as a subprocess on a saved tiny checkpoint."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,9 @@ from tiny_checkpoint import write_checkpoint
 NANO = Path(__file__).resolve().parents[1] / "checkpoints" / "configs" / "nemotron-3-nano-30b-a3b.config.json"
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], capture_output=True, text=True, timeout=300)
+def run(*args, env: dict[str, str] | None = None):
+    return subprocess.run([sys.executable, "-m", "hybrid.cli", *args], capture_output=True, text=True, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
 
 
 @pytest.fixture(scope="module")
@@ -345,3 +347,56 @@ def test_chat_template_file_replaces_the_checkpoints(ckpt, tmp_path):
     for command in (["generate", str(ckpt), "--prompt", "x", "--chat"], ["chat", str(ckpt)], ["serve", str(ckpt)]):
         r = run(*command, "--chat-template", str(tmp_path / "missing.jinja"))
         assert r.returncode == 2 and r.stderr.startswith("error: --chat-template ") and "missing.jinja" in r.stderr
+
+
+def test_generate_on_the_cpu_device_gives_the_default_text(ckpt):
+    r = run("generate", str(ckpt), "--prompt", "The grass is green.", "--max-new-tokens", "8", "--json")
+    on_cpu = run("generate", str(ckpt), "--prompt", "The grass is green.", "--max-new-tokens", "8", "--json",
+                 "--device", "cpu")
+    assert r.returncode == 0 and on_cpu.returncode == 0, r.stderr + on_cpu.stderr
+    assert json.loads(on_cpu.stdout)["token_ids"] == json.loads(r.stdout)["token_ids"]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is present")
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["serve"], ["chat"], ["info"]])
+def test_cuda_without_a_cuda_device_is_one_line(ckpt, command, tmp_path):
+    args = [command[0], str(ckpt), *command[1:], "--device", "cuda"]
+    r = run(*args)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.splitlines() == [r.stderr.strip()] and r.stderr.startswith("error: --device cuda: no CUDA device")
+    r = run("quantize", str(ckpt), str(tmp_path / "out"), "--format", "fp8", "--device", "cuda:1")
+    assert r.returncode == 2 and r.stderr.startswith("error: --device cuda:1: no CUDA device")
+    assert not (tmp_path / "out").exists()
+
+
+def test_info_names_each_operations_backend(ckpt):
+    r = run("info", str(ckpt), "--device", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    backends = json.loads(r.stdout)["backends"]
+    assert backends["device"] == "cpu"
+    assert set(backends["operations"]) >= {"Mamba-2 prompt scan", "Mamba-2 decode step", "decode attention",
+                                           "FP8 / NVFP4 products and experts", "MXFP4 products and experts"}
+    gpu_path = run("info", str(ckpt), "--device", "cpu", "--json", env={"HYBRID_BACKEND": "triton"})
+    ops = json.loads(gpu_path.stdout)["backends"]["operations"]
+    assert ops["FP8 / NVFP4 products and experts"] != backends["operations"]["FP8 / NVFP4 products and experts"]
+    bad = run("info", str(ckpt), "--device", "cpu", env={"HYBRID_BACKEND": "rocm"})
+    assert bad.returncode == 2 and bad.stderr.startswith("error: HYBRID_BACKEND='rocm': expected one of auto, triton")
+
+
+def test_a_required_gpu_kernel_that_does_not_import_is_one_line_before_the_load(ckpt):
+    """HYBRID_REQUIRE_CUDA_KERNELS=1 on the GPU path (here CPU tensors under HYBRID_BACKEND=triton): a kernel
+    package that does not import stops every command at once, naming it (a server refuses to start)."""
+    import hybrid.devices
+
+    if not hybrid.devices.missing_kernels():
+        pytest.skip("every kernel package of the GPU path imports here")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HYBRID_BACKEND": "triton", "HYBRID_REQUIRE_CUDA_KERNELS": "1"}
+    for args in (["generate", str(ckpt), "--prompt", "hi"], ["serve", str(ckpt), "--port", str(port)]):
+        r = run(*args, env=env)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert r.stderr.startswith("error: HYBRID_REQUIRE_CUDA_KERNELS=1 and the GPU path's kernels do not all import")

@@ -2,10 +2,11 @@
 conv step behind the `hybrid.ops` seam, at Nemotron 3 Nano's Mamba-2 widths, and a whole model on the GPU
 against the same model on the CPU.
 
-Skipped without a CUDA device (the CPU runs of the seam: tests/test_kernel_seam.py); the kernel tests skip
-when the optional packages (extra `cuda`) do not import. Tolerances: the Triton scans may use TF32 dot
-products (10-bit mantissas), so each result is held to 1e-2 of the largest reference value (a wrong decay,
-group mapping or state hand-over is off by O(1)); the model's greedy tokens must agree exactly.
+Skipped without a CUDA device (the CPU runs of the seam: tests/test_kernel_seam.py; the GPU code path under Triton's
+interpreter: tests/test_triton_backend.py); the kernel tests skip, naming the import error, when the optional
+packages (extra `cuda`) do not import, and fail instead under HYBRID_REQUIRE_CUDA_KERNELS=1. Tolerances: the Triton
+scans may use TF32 dot products (10-bit mantissas), so each result is held to 1e-2 of the largest reference value (a
+wrong decay, group mapping or state hand-over is off by O(1)); the model's greedy tokens must agree exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hybrid
 import hybrid.ops as ops
 from hybrid.ops import conv1d as ref_conv
 from hybrid.ops import ssd as ref_ssd
+from moe.quant.kernels import backend
 from helpers import greedy_all_logits
 from tiny_checkpoint import write_checkpoint
 
@@ -28,7 +30,11 @@ CONV_DIM = HEADS * HEAD_DIM + 2 * GROUPS * STATE
 
 
 def needs(loader, what):
-    return pytest.mark.skipif(not torch.cuda.is_available() or loader() is None, reason=f"{what} does not import")
+    """Skip where the kernel package does not import (the reason names its import error), unless
+    HYBRID_REQUIRE_CUDA_KERNELS=1: then the test runs and fails, so a green run proves the kernels ran."""
+    missing = torch.cuda.is_available() and loader() is None and not backend.require_kernels()
+    return pytest.mark.skipif(missing, reason=f"{what} does not import: {ops.import_error(what)} "
+                                              "(HYBRID_REQUIRE_CUDA_KERNELS=1 makes this a failure)")
 
 
 def inputs(b, T, seed):

@@ -1,29 +1,18 @@
 """The Triton kernels (fused dequantize + matmul, plain and grouped over experts) against the PyTorch path,
-run by Triton's interpreter on the CPU (`TRITON_INTERPRET=1`; the kernels are the ones CUDA runs).
-
-Triton reads TRITON_INTERPRET when it is first imported (its own `tl` helpers are built then), and other
-test modules import it earlier through compressed-tensors; so unless this process already interprets,
-`test_kernels_in_the_interpreter` runs this file again in a fresh process with the flag set.
+run by Triton's interpreter on the CPU (`TRITON_INTERPRET=1`; the kernels are the ones CUDA runs; how:
+tests/interpreter.py).
 """
-
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETING, reason="runs in the TRITON_INTERPRET=1 subprocess")
+from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E402
 
 
-@pytest.mark.skipif(INTERPRETING, reason="this is the driver")
+@driver
 def test_kernels_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    r = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-p", "no:warnings"],
-                       env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "9 passed, 1 skipped" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    run_in_interpreter(__file__, "11 passed, 1 skipped", timeout=600)
 
 from moe.experts import ExpertBank, QuantExpertBank  # noqa: E402
 from moe.quant import QuantLinear  # noqa: E402
@@ -67,16 +56,21 @@ def test_linear_kernel_equals_pytorch_path(kernels, name):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _packed_bank(name: str, E: int, L: int, I: int, g: torch.Generator) -> QuantExpertBank:
+    """A random expert bank of E experts (L -> I -> L) packed in format `name`."""
+    bank = ExpertBank(E, L, I)
+    with torch.no_grad():
+        bank.up_proj.copy_(torch.randn(E, I, L, generator=g) * 0.1)
+        bank.down_proj.copy_(torch.randn(E, L, I, generator=g) * 0.1)
+    return QuantExpertBank.from_bank(bank, FORMATS[name], FORMATS[name], torch.ones(E), torch.ones(E))
+
+
 @needs_interpreter
 @pytest.mark.parametrize("name", ["fp8-tensor", "fp8-block", "nvfp4"])
 def test_grouped_expert_kernel_equals_pytorch_path(kernels, name):
     g = torch.Generator().manual_seed(5)
     E, L, I, T, k = 6, 64, 48, 21, 2
-    bank = ExpertBank(E, L, I)
-    with torch.no_grad():
-        bank.up_proj.copy_(torch.randn(E, I, L, generator=g) * 0.1)
-        bank.down_proj.copy_(torch.randn(E, L, I, generator=g) * 0.1)
-    q = QuantExpertBank.from_bank(bank, FORMATS[name], FORMATS[name], torch.ones(E), torch.ones(E))
+    q = _packed_bank(name, E, L, I, g)
     x = torch.randn(T, L, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     ids[:, 0] = ids[:, 0] % 3  # uneven loads; experts 3..5 get fewer tokens, some maybe none
@@ -84,6 +78,32 @@ def test_grouped_expert_kernel_equals_pytorch_path(kernels, name):
     got = q.fused(x, weights, ids)  # the grouped kernel path
     want = q(x, weights, ids)  # the PyTorch path (CPU)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("name", ["fp8-tensor", "nvfp4"])
+def test_grouped_expert_kernel_skips_the_experts_of_other_ranks(kernels, name):
+    """Under expert parallelism a rank's ids of experts another rank holds lie outside [0, E) (negative, or E and
+    above): they add nothing, as in `dispatch`, instead of reading past the weight stack."""
+    g = torch.Generator().manual_seed(7)
+    E, L, I, T, k = 4, 64, 48, 19, 3
+    q = _packed_bank(name, E, L, I, g)
+    x = torch.randn(T, L, generator=g)
+    ids = torch.randint(-3, 2 * E, (T, k), generator=g)  # about half of them elsewhere
+    ids[0] = torch.tensor([E, -1, 2 * E - 1])  # a token with no expert here: a zero row
+    weights = torch.rand(T, k, generator=g)
+    inside = (ids >= 0) & (ids < E)
+    want = torch.zeros(T, L, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            if inside[t, j]:
+                e = int(ids[t, j])
+                up, down = (p.dequantize(torch.float64, expert=e) for p in (q.up_proj, q.down_proj))
+                want[t] += weights[t, j].double() * (torch.relu(x[t].double() @ up.T) ** 2 @ down.T)
+    got = q.fused(x, weights, ids)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(q(x, weights, ids), got, rtol=1e-5, atol=1e-5)  # the forward takes this path
+    assert got[0].abs().max() == 0
 
 
 @needs_interpreter

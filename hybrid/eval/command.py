@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=5, help="samples per cell (seeds seed, seed+1, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the checkpoint's)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N (default: cuda when a CUDA device is available, else cpu)")
     p.add_argument("--act-quant", action="store_true",
                    help="quantized checkpoints: also quantize activations (passed to hybrid.load)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer budget for every task (default: per task)")
@@ -137,11 +138,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from hybrid.devices import resolve_device
+
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        parser.error(str(e))
     out = Path(args.out)
     for path, label in zip(args.checkpoints, labels):
         load_options = {"act_quant": True} if args.act_quant else {}
         try:
-            model, tokenizer = hybrid.load(path, dtype=args.dtype, device=args.device, **load_options)
+            model, tokenizer = hybrid.load(path, dtype=args.dtype, device=device, **load_options)
         except (hybrid.CheckpointError, hybrid.ConfigError, ValueError) as e:
             parser.exit(1, f"eval_recall: error loading {path}: {e}\n")
         extra = {"checkpoint": str(path), "dtype": dtype_name(model.dtype), **load_options}

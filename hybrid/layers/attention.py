@@ -16,6 +16,7 @@ from torch import nn
 
 from hybrid.cache import KVCache, StepContext
 from hybrid.config import HybridConfig
+from moe.quant.kernels import backend
 
 _SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
 
@@ -56,7 +57,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 def decode_kernel(q: torch.Tensor, k: torch.Tensor):
     """The CPU decode-attention extension for queries `q` over keys `k` (CPU, both fp32 or both bf16, the
     head dimension contiguous), or None: `decode_attention` then."""
-    if q.device.type != "cpu" or q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16) \
+    if not backend.cpu_kernels(q) or q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16) \
             or k.stride(-1) != 1:
         return None
     from hybrid.ops.cpu import attention_module
@@ -131,7 +132,7 @@ class Attention(nn.Module):
         if kv is not None:
             k, v = kv.update(k, v, ctx.past)
         mask = attention_mask(ctx, T, q.device)
-        if T == 1 and mask is None and q.device.type == "cpu":
+        if T == 1 and mask is None and backend.cpu_kernels(q):
             return one_query_attention(q, k, v)
         is_causal = mask is None and T > 1
         if self.num_kv_heads != self.num_heads and not _SDPA_HAS_GQA:  # torch 2.4

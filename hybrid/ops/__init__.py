@@ -1,14 +1,16 @@
 """The seam that picks the implementation of the Mamba-2 hot operations.
 
-The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`) are the specification. On a CUDA tensor,
-when the `mamba-ssm` / `causal-conv1d` packages (extra `cuda`) are importable, the SSD scan, the recurrent
-step and the decode conv step use their kernels instead; on the CPU, the whole decode step of several
-sequences (`mamba_decode_step`) and the prompt chunks of several sequences (`mamba_chunks_fused`: conv, dt and
-the SSD in its recurrent form, each state read and written once per chunk) run in the C++ kernels of
-`cpu.py` when they build. The scan kernels take the already
-processed `dt` (softplus, clamp and padding mask applied by the mixer), so every path shares one
-definition of `dt` (tests/test_cases.py, case 1). The RMSNorms (`rms_norm`, `gated_rms_norm`; specification
-`norm.py`) run in one fused C++ call per norm on CPU tensors of fp32 / bf16 when no gradient is wanted.
+The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`) are the specification. On the GPU path (a CUDA
+tensor, or any tensor under HYBRID_BACKEND=triton: `moe.quant.kernels.backend`), when the `mamba-ssm` /
+`causal-conv1d` packages (extra `cuda`) are importable, the SSD scan, the recurrent step and the decode conv step
+use their kernels instead (where they do not import, PyTorch's versions run, or under HYBRID_REQUIRE_CUDA_KERNELS=1
+the operation raises `KernelUnavailable` naming the import error); on the CPU, the whole decode step of several
+sequences (`mamba_decode_step`) and the prompt chunks of several sequences (`mamba_chunks_fused`: conv, dt and the
+SSD in its recurrent form, each state read and written once per chunk) run in the C++ kernels of `cpu.py` when they
+build. The scan kernels take the already processed `dt` (softplus, clamp and padding mask applied by the mixer), so
+every path shares one definition of `dt` (tests/test_cases.py, case 1). The RMSNorms (`rms_norm`, `gated_rms_norm`;
+specification `norm.py`) run in one fused C++ call per norm on CPU tensors of fp32 / bf16 when no gradient is
+wanted.
 """
 
 from __future__ import annotations
@@ -23,35 +25,79 @@ from hybrid.ops import decode as _decode
 from hybrid.ops import norm as _norm
 from hybrid.ops import ssd as _ssd
 from hybrid.ops.conv1d import causal_conv1d
+from moe.quant.kernels import backend
 
-__all__ = ["causal_conv1d", "conv_step", "gated_rms_norm", "mamba_chunks_fused", "mamba_decode_step", "rms_norm",
-           "ssd_scan", "ssd_step"]
+__all__ = ["causal_conv1d", "conv_step", "gated_rms_norm", "import_error", "kernel_status", "mamba_chunks_fused",
+           "mamba_decode_step", "rms_norm", "ssd_scan", "ssd_step"]
+
+_IMPORT_ERRORS: dict[str, str] = {}  # package -> why it did not import (`backend.fallback`, `kernel_status`)
 
 
 @functools.cache
 def _mamba_ssm():
-    """(mamba_chunk_scan_combined, selective_state_update) from mamba-ssm, or None."""
+    """(mamba_chunk_scan_combined, selective_state_update) from mamba-ssm, or None (the error kept)."""
     try:
         from mamba_ssm.ops.triton.selective_state_update import selective_state_update
         from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:  # not installed, or built for another CUDA: the PyTorch path is always correct
+    except Exception as e:  # not installed, built for another torch or CUDA, without its extension
+        _IMPORT_ERRORS["mamba-ssm"] = f"{type(e).__name__}: {e}"
         return None
     return mamba_chunk_scan_combined, selective_state_update
 
 
 @functools.cache
 def _causal_conv1d():
-    """causal_conv1d_update from causal-conv1d, or None."""
+    """causal_conv1d_update from causal-conv1d, or None (the error kept)."""
     try:
         from causal_conv1d import causal_conv1d_update
-    except Exception:
+    except Exception as e:
+        _IMPORT_ERRORS["causal-conv1d"] = f"{type(e).__name__}: {e}"
         return None
     return causal_conv1d_update
 
 
+_PACKAGES = {_mamba_ssm: "mamba-ssm", _causal_conv1d: "causal-conv1d"}
+
+
+def import_error(package: str) -> str | None:
+    """Why `package` ("mamba-ssm" or "causal-conv1d") does not import (its exception, one line), or None when
+    it does. Tries the import on the first call."""
+    loader = {name: loader for loader, name in _PACKAGES.items()}[package]
+    return None if loader() is not None else _IMPORT_ERRORS.get(package, "it does not import")
+
+
 def _kernel(t, loader):
-    """What `loader` provides when `t` is on CUDA and the package imports; None means: use PyTorch."""
-    return loader() if t.is_cuda else None
+    """What `loader` provides when `t` takes the GPU path (`backend.gpu_path`) and the package imports; None
+    means: use PyTorch (which `backend.fallback` forbids under HYBRID_REQUIRE_CUDA_KERNELS=1)."""
+    if not backend.gpu_path(t):
+        return None
+    kernels = loader()
+    if kernels is None:
+        backend.fallback(_PACKAGES[loader], import_error(_PACKAGES[loader]))
+    return kernels
+
+
+def kernel_status(gpu_path: bool) -> dict[str, str]:
+    """{operation: what runs it} for this module's operations on the GPU path (`gpu_path`) or on the CPU (the
+    C++ kernels built now if they are not yet); `hybrid.devices.describe` gathers these."""
+    if gpu_path:
+        def packages(*names):
+            errors = {name: import_error(name) for name in names}
+            if not any(errors.values()):
+                return " + ".join(names)
+            return "PyTorch (" + "; ".join(f"{name} does not import: {e}" for name, e in errors.items() if e) + ")"
+
+        return {"Mamba-2 prompt scan": packages("mamba-ssm"),
+                "Mamba-2 decode step": packages("mamba-ssm", "causal-conv1d"),
+                "RMSNorm": "PyTorch", "decode attention": "PyTorch (scaled_dot_product_attention)"}
+
+    def built(ext, what):
+        return f"C++ ({what})" if ext is not None else "PyTorch (the C++ kernel did not build or is disabled)"
+
+    return {"Mamba-2 prompt scan": built(_cpu.module(), "cpu_mamba.cpp, fp32 / bf16"),
+            "Mamba-2 decode step": built(_cpu.module(), "cpu_mamba.cpp, fp32 / bf16"),
+            "RMSNorm": built(_cpu.norm_module(), "cpu_norm.cpp, fp32 / bf16"),
+            "decode attention": built(_cpu.attention_module(), "cpu_attention.cpp, fp32 / bf16")}
 
 
 def ssd_scan(x, dt, A, B, C, chunk_size, state=None):
@@ -103,7 +149,7 @@ def mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, ti
     Returns:
         y [S, nh, P] fp32 (the D skip included), what the gated norm reads.
     """
-    ext = _cpu.module() if xBC.device.type == "cpu" and xBC.dtype in (torch.float32, torch.bfloat16) else None
+    ext = _cpu.module() if backend.cpu_kernels(xBC) and xBC.dtype in (torch.float32, torch.bfloat16) else None
     if ext is not None and conv.is_contiguous() and ssm.is_contiguous() and ssm.dtype == torch.float32 \
             and conv.dtype == xBC.dtype:
         lo, hi = time_step_limit
@@ -134,7 +180,7 @@ def mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias,
     scale at Nano widths; the conv windows exactly). Why one call: many short chunks cost it about what one long
     chunk does, where the PyTorch prefill pays per chunk and per padded batch (docs/perf-log.md#mamba-chunk-kernel).
     """
-    ext = _cpu.module() if xBC.device.type == "cpu" and xBC.dtype in (torch.float32, torch.bfloat16) else None
+    ext = _cpu.module() if backend.cpu_kernels(xBC) and xBC.dtype in (torch.float32, torch.bfloat16) else None
     if ext is None or not (conv.is_contiguous() and ssm.is_contiguous() and ssm.dtype == torch.float32
                            and conv.dtype == xBC.dtype) or torch.is_grad_enabled() and xBC.requires_grad:
         return None
@@ -148,7 +194,7 @@ _FUSED_DTYPES = (torch.float32, torch.bfloat16)
 
 def _fused_norm(*tensors):
     """The fused norm extension when every tensor suits it (CPU, fp32 / bf16, no gradient to record), else None."""
-    if any(t.device.type != "cpu" or t.dtype not in _FUSED_DTYPES for t in tensors):
+    if any(not backend.cpu_kernels(t) or t.dtype not in _FUSED_DTYPES for t in tensors):
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None

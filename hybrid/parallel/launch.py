@@ -27,12 +27,27 @@ def launched() -> bool:
         return False
 
 
-def start(threads: int | None) -> tuple[int, int]:
-    """Join the process group (gloo: the command runs on the CPU) and set this rank's torch threads: `threads`,
-    or the CPUs this process may use divided among the ranks on this host (torchrun's own default is one
-    thread per rank). Returns (rank, world size)."""
+def local_rank() -> int:
+    """This rank's index among the ranks on its host (torchrun's LOCAL_RANK; 0 when unset)."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def rank_from_environment() -> int:
+    """This process's rank as torchrun set it (RANK; 0 when unset), before the process group exists."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def start(threads: int | None, device: torch.device | str = "cpu") -> tuple[int, int]:
+    """Join the process group and set this rank's torch threads: `threads`, or the CPUs this process may use
+    divided among the ranks on this host (torchrun's own default is one thread per rank). On a CUDA `device`
+    the rank's GPU becomes the current one and the group carries CUDA tensors over NCCL and CPU tensors (the
+    command's own messages: `agree`, `broadcast_text`) over gloo; on the CPU everything goes over gloo.
+    Returns (rank, world size)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=TIMEOUT)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     torch.set_num_threads(threads or max(1, cpus // max(1, local)))

@@ -374,7 +374,7 @@ def chat(args) -> int:
                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, thinking=args.thinking)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load(directory, dtype=args.dtype)
+    model, tokenizer = load(directory, dtype=args.dtype, device=args.device)
     if args.chat_template is not None:
         tokenizer.use_chat_template(args.chat_template)
     engine = build_engine(model, args, max_num_seqs=1)

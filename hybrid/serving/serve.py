@@ -148,7 +148,7 @@ def serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     _log_to_stderr(logging.getLogger("hybrid.serving"))  # a line per request and the throughput (runner.py)
-    model, tokenizer = load(args.model, dtype=args.dtype)
+    model, tokenizer = load(args.model, dtype=args.dtype, device=args.device)
     if args.chat_template is not None:
         tokenizer.use_chat_template(args.chat_template)
     engine = build_engine(model, args, args.max_num_seqs)

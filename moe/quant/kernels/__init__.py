@@ -20,21 +20,51 @@ from types import ModuleType
 
 import torch
 
+from moe.quant.kernels import backend
+
 
 def triton_for(x: torch.Tensor, *fmts) -> ModuleType | None:
-    """`moe.quant.kernels.triton` when `x` is a CUDA tensor and the fused kernels support every format in
-    `fmts` (imported on first use, so CPU runs never import triton); None means: use the PyTorch path."""
-    if not x.is_cuda:
+    """`moe.quant.kernels.triton` when `x` takes the GPU path (`backend.gpu_path`: a CUDA tensor, or any under
+    HYBRID_BACKEND=triton) and the fused kernels support every format in `fmts` (imported on first use, so CPU
+    runs never import triton); None means: use the PyTorch path.
+
+    Raises:
+        KernelUnavailable: triton does not import and HYBRID_REQUIRE_CUDA_KERNELS=1 (`backend.fallback`).
+    """
+    if not backend.gpu_path(x):
         return None
     from moe.quant.kernels import triton
 
+    if not triton.available():
+        backend.fallback("triton", triton.IMPORT_ERROR)
+        return None
     return triton if all(triton.supports(f) for f in fmts) else None
+
+
+def status(gpu_path: bool) -> dict[str, str]:
+    """{operation: what runs it} for the weight products on the GPU path (`gpu_path`) or on this CPU (whose
+    kernels are built now if they are not yet); `hybrid.devices.describe` gathers these."""
+    if gpu_path:
+        from moe.quant.kernels import triton
+
+        fused = "Triton (moe.quant.kernels.triton, weights decoded in registers)" if triton.available() else \
+            f"PyTorch: the weight dequantized per call (triton does not import: {triton.IMPORT_ERROR})"
+        return {"bf16 / fp16 / fp32 products": "PyTorch (torch.matmul)", "FP8 / NVFP4 products and experts": fused,
+                "MXFP4 products and experts": "PyTorch: the weight dequantized per call (no fused kernel yet)"}
+    from moe.quant.kernels import bf16, cpu
+
+    packed = "C++ (cpu_packed.cpp, straight from the packed bytes)" if cpu.module() is not None else \
+        "PyTorch: the weight dequantized per call (the C++ kernel did not build or is disabled)"
+    bf16_products = ("bf16: prepacked at load (oneDNN; cpu_packed.cpp for decode rows); fp16 / fp32: PyTorch"
+                     if bf16.available() else "PyTorch (torch.matmul)")
+    return {"bf16 / fp16 / fp32 products": bf16_products, "FP8 / NVFP4 products and experts": packed,
+            "MXFP4 products and experts": packed}
 
 
 def cpu_for(x: torch.Tensor, fmt) -> ModuleType | None:
     """`moe.quant.kernels.cpu` when `x` is a CPU tensor and its kernels support `fmt` and are built (the first
     call builds them); None means: the PyTorch path (dequantize, then matmul)."""
-    if x.device.type != "cpu":
+    if not backend.cpu_kernels(x):
         return None
     from moe.quant.kernels import cpu
 

@@ -20,13 +20,16 @@ Tested on the CPU with `TRITON_INTERPRET=1` against the PyTorch path (tests/test
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+IMPORT_ERROR = ""  # why triton did not import (`moe.quant.kernels.backend.fallback` names it)
 try:
     import triton
     import triton.language as tl
-except ImportError:  # triton is optional (the `cuda` extra)
-    triton = None
+except ImportError as e:  # triton is optional (the `cuda` extra)
+    triton, IMPORT_ERROR = None, f"{type(e).__name__}: {e}"
 
 from moe.quant.e2m1 import E2M1_VALUES
 from moe.quant.e4m3 import e4m3_value
@@ -141,14 +144,21 @@ def grouped_matmul(x: torch.Tensor, proj, tiles: tuple[torch.Tensor, torch.Tenso
     e4m3_lut, e2m1_lut = _luts(x.device)
     expert, start, end = tiles
     grid = (expert.numel(), triton.cdiv(N, BLOCK_N))
-    _packed_matmul_kernel[grid](
-        x, out, w, scale, g, e4m3_lut, e2m1_lut, expert, start, end,
-        N, K, x.stride(0), out.stride(0),
-        w.stride(0) if stacked else 0, w.stride(-2), stride_se, stride_sn, stride_sk, sbn, sbk,
-        KIND=KERNEL_KINDS[proj.fmt.codec.name], DIVISOR=proj.fmt.layout.divisor,
-        IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
-    )
+    with _on(x.device):
+        _packed_matmul_kernel[grid](
+            x, out, w, scale, g, e4m3_lut, e2m1_lut, expert, start, end,
+            N, K, x.stride(0), out.stride(0),
+            w.stride(0) if stacked else 0, w.stride(-2), stride_se, stride_sn, stride_sk, sbn, sbk,
+            KIND=KERNEL_KINDS[proj.fmt.codec.name], DIVISOR=proj.fmt.layout.divisor,
+            IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        )
     return out
+
+
+def _on(device: torch.device):
+    """The launch's device guard: Triton launches on the current CUDA device, which need not be the tensors'
+    (a model on cuda:1)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def row_tiles(counts: torch.Tensor, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,0 +1,111 @@
+"""The GPU code path on the CPU: `HYBRID_BACKEND=triton` sends CPU tensors down the path a CUDA tensor takes
+(this project's Triton kernels, run by Triton's interpreter; PyTorch where mamba-ssm and causal-conv1d do not
+import), so CI checks what a GPU runs: a tiny FP8 / NVFP4 model (hidden 64, 8 experts, every Linear packed) and
+the serving engine against the CPU path, in fp32 (the interpreter computes no bf16 dot), and the fail-loud
+switch `HYBRID_REQUIRE_CUDA_KERNELS=1`. The tests run in a fresh process under the interpreter
+(tests/interpreter.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E402
+
+
+@driver
+def test_the_gpu_path_in_the_interpreter():
+    run_in_interpreter(__file__, "6 passed, 1 skipped")
+
+
+import hybrid  # noqa: E402
+import hybrid.ops as ops  # noqa: E402
+from hybrid.devices import describe  # noqa: E402
+from hybrid.quantize import quantize_checkpoint  # noqa: E402
+from hybrid.sampling import SamplingParams  # noqa: E402
+from hybrid.serving.engine import Engine  # noqa: E402
+from helpers import greedy_all_logits  # noqa: E402
+from moe.quant.kernels import backend  # noqa: E402
+from tiny_checkpoint import write_checkpoint  # noqa: E402
+
+SHAPES = dict(hidden_size=64, intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+              moe_shared_expert_intermediate_size=32, mamba_num_heads=4, mamba_head_dim=16, n_groups=2,
+              ssm_state_size=16, chunk_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """Run the body as under HYBRID_BACKEND=triton; yields a counter of the Triton launches."""
+    from moe.quant.kernels import triton
+
+    launches = []
+    real = triton.grouped_matmul
+    monkeypatch.setattr(triton, "grouped_matmul", lambda *a, **k: launches.append(1) or real(*a, **k))
+    monkeypatch.delenv("HYBRID_REQUIRE_CUDA_KERNELS", raising=False)
+    with backend.override("triton"):
+        yield launches
+
+
+@pytest.fixture(scope="module", params=["fp8", "nvfp4"])
+def packed(request, tmp_path_factory):
+    """A tiny checkpoint with every Linear and expert packed in the format (attention and Mamba included)."""
+    root = tmp_path_factory.mktemp(request.param)
+    source = write_checkpoint(root / "float", pattern="M*MEME", seed=3, **SHAPES)
+    quantize_checkpoint(source, root / "packed", request.param, exclude=[])
+    return root / "packed"
+
+
+@needs_interpreter
+def test_describe_names_the_gpu_path_on_cpu_tensors(gpu_path):
+    on = describe("cpu")
+    assert on["FP8 / NVFP4 products and experts"].startswith("Triton")
+    assert on["Mamba-2 prompt scan"].startswith(("mamba-ssm", "PyTorch (mamba-ssm does not import"))
+
+
+@needs_interpreter
+def test_a_missing_kernel_package_fails_loudly_when_required(gpu_path, monkeypatch):
+    if ops._mamba_ssm() is not None:
+        pytest.skip("mamba-ssm imports here")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 5, 2, 4, generator=g)
+    B, C = torch.randn(1, 5, 1, 8, generator=g), torch.randn(1, 5, 1, 8, generator=g)
+    dt, A = torch.rand(1, 5, 2, generator=g) * 0.1, -torch.rand(2, generator=g)
+    y, _ = ops.ssd_scan(x, dt, A, B, C, 4)  # the PyTorch fallback, allowed by default
+    assert y.shape == x.shape
+    monkeypatch.setenv("HYBRID_REQUIRE_CUDA_KERNELS", "1")
+    with pytest.raises(backend.KernelUnavailable, match="mamba-ssm is unavailable .*No module named"):
+        ops.ssd_scan(x, dt, A, B, C, 4)
+
+
+@needs_interpreter
+def test_the_packed_model_on_the_gpu_path_decodes_as_on_the_cpu_path(packed, gpu_path):
+    """Prompts of 21 tokens (chunks of 16 and a part), 6 greedy steps: the same tokens, logits within 1e-4 of the
+    largest; the Triton kernels ran (every packed product goes through them)."""
+    ids = torch.randint(5, 320, (2, 21), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = greedy_all_logits(hybrid.load_model(packed), ids, 6)
+        assert gpu_path, "no Triton launch on the GPU path"
+        n = len(gpu_path)
+        with backend.override("auto"):
+            want = greedy_all_logits(hybrid.load_model(packed), ids, 6)
+        assert len(gpu_path) == n, "the CPU path launched Triton"
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+@needs_interpreter
+def test_the_engine_on_the_gpu_path_serves_the_cpu_paths_tokens(packed, gpu_path):
+    """Three requests of mixed lengths through the paged engine (packed prefill chunks beside decode steps)."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(5, 320, (n,), generator=g).tolist() for n in (3, 19, 40)]
+
+    def serve():
+        engine = Engine(hybrid.load_model(packed), num_blocks=64, max_num_seqs=3, max_num_batched_tokens=32)
+        return [c.token_ids for c in engine.generate(prompts, SamplingParams(temperature=0), max_tokens=5)]
+
+    got = serve()
+    assert gpu_path
+    with backend.override("auto"):
+        assert got == serve()
