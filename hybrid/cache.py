@@ -29,6 +29,8 @@ no meaning otherwise (no RoPE), so a left- or right-padded row continues exactly
 
 from __future__ import annotations
 
+import functools
+
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -53,6 +55,11 @@ class PackedSeqs:
 
     lengths: list[int]
     past: list[int]
+
+    @functools.cached_property
+    def decode_only(self) -> bool:
+        """Whether every sequence brings one token (a decode step): the layers then take all rows at once."""
+        return all(n == 1 for n in self.lengths)
 
     def segments(self):
         """(sequence index, start, end) of each sequence's tokens in the packed row."""

@@ -1,23 +1,25 @@
-"""Autoregressive generation: batches of prompts with left padding, streaming, speed figures.
+"""Autoregressive generation: several prompts at once, streaming, speed figures.
 
-One forward path serves everything: the prompt is prefilled (in chunks of `prefill_chunk_size` tokens, so
-attention memory stays bounded on long prompts) into a `HybridCache`, then each step feeds one token per
-row. A left-padded row gives the same tokens as the prompt run alone (tests/test_cases.py, case 4).
+Generation runs on the serving engine (`hybrid.serving.engine.Engine`, one made per call, its KV pool growing
+with the call): the prompts are packed sequences over paged KV blocks and Mamba state slots, prefilled in chunks
+of `prefill_chunk_size` tokens beside the decode steps of the others, so a row gives the same tokens as the
+prompt run alone and nothing is padded. Speculative decoding (`hybrid.speculative`) still runs on the dense
+`HybridCache`.
 """
 
 from __future__ import annotations
 
-import time
 import warnings
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from hybrid.batch import check_max_new_tokens, check_prompts, left_pad
+from hybrid.batch import check_max_new_tokens, check_prompts
 from hybrid.cache import RESERVE_AHEAD
 from hybrid.model import HybridForCausalLM
-from hybrid.sampling import (Completion, Sampling, SamplingParams, apply_penalties, check_rank_draws, for_call,
-                             penalty_states, sample)
+from hybrid.sampling import Completion, Sampling, SamplingParams, check_rank_draws, for_call
+from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
+from hybrid.serving.engine import Engine
 from hybrid.speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
@@ -41,7 +43,21 @@ class _PositionNote:
             self.noted = True
             warnings.warn(f"the sequence passes the model's max_position_embeddings ({self.limit}) at {positions} "
                           "positions; generating on (no positional encoding limits it, but the model was not "
-                          "trained this long)", UserWarning, stacklevel=3)
+                          "trained this long)", UserWarning, stacklevel=4)
+
+    def watch(self, prompts: list[list[int]], on_tokens: Callable[[list[int | None]], None] | None):
+        """`on_tokens` wrapped to check each row's length (its prompt and the tokens so far) as tokens come."""
+        lengths = [len(p) for p in prompts]
+
+        def step(tokens: list[int | None]) -> None:
+            for row, t in enumerate(tokens):
+                if t is not None:
+                    lengths[row] += 1
+                    self.check(lengths[row])
+            if on_tokens is not None:
+                on_tokens(tokens)
+
+        return step if self.limit else on_tokens
 
 
 @torch.inference_mode()
@@ -56,83 +72,48 @@ def generate_ids(
     on_tokens: Callable[[list[int | None]], None] | None = None,
     prefix_cache: "PrefixCache | None" = None,
 ) -> list[Completion]:
-    """Generate from token-id prompts (a batch, left-padded to a common length).
+    """Generate from token-id prompts, on the serving engine (`hybrid.serving.engine.Engine`): the prompts are
+    packed sequences, not a padded batch, so each row gives the tokens it gives alone.
 
     Args:
         prompts: B lists of token ids, each non-empty.
-        sampling: one `SamplingParams` for every row, or a list of B (each row with its own generator); a
-            seeded one starts from its seed in every call, so reusing it reproduces the tokens.
-        pad_id: the id written at padded positions; any id (None, -1, past the vocabulary) serves, since
-            padding is masked and never reaches the embedding.
-        on_tokens: called after each step with the new token of each row (None for finished rows).
-        prefix_cache: a `hybrid.prefix_cache.PrefixCache` of this model: the prompts run together on its
-            serving engine (no padding), each resuming from its longest cached prefix and leaving its own
-            prefix cached; a shared seeded `sampling` then starts each row's own generator at the seed.
+        sampling: one `SamplingParams` for every row, or a list of B; each row draws from its own generator,
+            started at its seed (a seeded one gives the same tokens in every call, and to equal prompts).
+        pad_id: kept for callers of the padded batch this once was; nothing is padded.
+        prefill_chunk_size: tokens of one forward (prompt chunks and decode tokens together).
+        on_tokens: called after each step with the new token of each row (None for rows without one).
+        prefix_cache: a `hybrid.prefix_cache.PrefixCache` of this model: the prompts run on its engine instead,
+            each resuming from its longest cached prefix and leaving its own prefix cached.
     Returns:
-        B `Completion`s (text empty; see `generate` for text).
-    The KV cache is reserved for at most `RESERVE_AHEAD` new tokens up front and grows as needed, so
-    max_new_tokens may be any size (generation runs until a stop id or the limit). Passing the config's
-    `max_position_embeddings` gives one `UserWarning` per call and generation goes on (there is no positional
-    encoding to run out of; quality past the trained length is not assured).
+        B `Completion`s (text empty; see `generate` for text); each row's prefill time runs from the call to
+        its first token.
+    The engine's KV pool is sized for the prompts and at most `RESERVE_AHEAD` new tokens each, and grows as
+    needed, so max_new_tokens may be any size (generation runs until a stop id or the limit). Passing the
+    config's `max_position_embeddings` gives one `UserWarning` per call and generation goes on (there is no
+    positional encoding to run out of; quality past the trained length is not assured).
     Raises:
         ValueError: prompts not a non-empty list of non-empty lists of Python ints (a bool, float or string
             id, named by row and position; see `hybrid.batch.check_prompts`), max_new_tokens not an integer
             >= 1, `sampling` not a `SamplingParams` or a list of B of them, a prompt id outside the model's
-            vocabulary [0, config.vocab_size) (named with its row and position in the padded batch), a
-            prefix_cache made for another model, or, on a tensor-parallel rank, a sampled row without a seed
-            (`hybrid.sampling.check_rank_draws`).
+            vocabulary [0, config.vocab_size) (named with its row and position), prefill_chunk_size not an
+            integer >= 1, a prefix_cache made for another model, or, on a tensor-parallel rank, a sampled row
+            without a seed (`hybrid.sampling.check_rank_draws`).
     """
     check_prompts(prompts, model.config.vocab_size)
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     sampling = for_call(sampling, len(prompts))  # checked; seeded generators start from their seeds
     check_rank_draws(sampling, model.parallel is not None)
-    device = model.device
-    batch = left_pad(prompts, pad_id, device)
-    ids, mask = batch.ids, batch.mask
-    B, L = ids.shape
-    stop = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    ahead = min(max_new_tokens, RESERVE_AHEAD)  # the cache grows geometrically past this by itself
     positions = _PositionNote(model.config.max_position_embeddings)
-    positions.check(L)
-
+    positions.check(max(len(p) for p in prompts))
     if prefix_cache is not None:  # on the serving engine: every row resumes from its longest cached prefix
         if prefix_cache.model is not model:
             raise ValueError("prefix_cache was made for another model: a PrefixCache serves the model it was made with")
-        return prefix_cache.generate(prompts, max_new_tokens, sampling, stop_ids, on_tokens)
-    start = time.perf_counter()
-    cache = model.new_cache(B, capacity=L + ahead)
-    for s in range(0, L, prefill_chunk_size):
-        logits = model(ids[:, s:s + prefill_chunk_size], cache, attention_mask=mask[:, s:s + prefill_chunk_size],
-                       logits_to_keep=1)
-    out: list[list[int]] = [[] for _ in range(B)]
-    penalties = penalty_states(sampling, prompts, logits.device)  # None without penalties
-    token = sample(apply_penalties(logits[:, -1], sampling, prompts, out, penalties), sampling)
-    prefill_done = time.perf_counter()
-
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    reasons = ["length"] * B
-    for step in range(max_new_tokens):
-        alive = (~finished).tolist()
-        values = token.tolist()
-        for row in range(B):
-            if alive[row]:
-                out[row].append(values[row])
-        if on_tokens is not None:
-            on_tokens([v if a else None for v, a in zip(values, alive)])
-        hit = torch.isin(token, stop) & ~finished
-        for row in hit.nonzero().flatten().tolist():
-            reasons[row] = "stop"
-        finished |= hit
-        if bool(finished.all()) or step == max_new_tokens - 1:
-            break
-        positions.check(L + step + 1)
-        logits = model(token[:, None], cache)
-        token = sample(apply_penalties(logits[:, -1], sampling, prompts, out, penalties), sampling)
-    end = time.perf_counter()
-    return [
-        Completion(out[row], reasons[row], len(prompts[row]), prefill_done - start, end - prefill_done)
-        for row in range(B)
-    ]
+        return prefix_cache.generate(prompts, max_new_tokens, sampling, stop_ids, positions.watch(prompts, on_tokens))
+    ahead = min(max_new_tokens, RESERVE_AHEAD)  # the pool grows past this by itself
+    blocks = sum(-(-(len(p) + ahead) // DEFAULT_BLOCK_SIZE) for p in prompts)
+    engine = Engine(model, num_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE, max_num_seqs=len(prompts),
+                    max_num_batched_tokens=prefill_chunk_size, grow=True)
+    return engine.generate(prompts, sampling, max_new_tokens, stop_ids, positions.watch(prompts, on_tokens))
 
 
 def utf8_problem(text: str) -> str | None:
@@ -214,7 +195,7 @@ def generate(
     """Generate text for one prompt or a batch of prompts.
 
     Args:
-        prompts: a string or a list of strings (a batch; rows are left-padded and independent).
+        prompts: a string or a list of strings (run together; each row independent, as it runs alone).
         speculative: draft this many tokens per step with the model's MTP block and verify them
             (`hybrid.speculative`; one prompt only; the output distribution is unchanged).
         prefix_cache: reuse and extend the cached state of earlier prompts' prefixes

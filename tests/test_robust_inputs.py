@@ -44,10 +44,10 @@ def add_pad_past_vocab(directory) -> int:
 @pytest.mark.parametrize("bad", [320, -1, 10**6])
 def test_id_outside_vocabulary_is_a_clear_error(loaded, bad):
     model, _ = loaded
-    message = rf"token id {bad} \(input_ids\[1, 1\]\) is outside the model's vocabulary: ids must lie in \[0, 320\)"
-    with pytest.raises(ValueError, match=message):
+    message = rf"token id {bad} \({{}}\) is outside the model's vocabulary: ids must lie in \[0, 320\)"
+    with pytest.raises(ValueError, match=message.format(r"prompts\[1\]\[1\]")):  # the prompt, by row and position
         generate_ids(model, [[5, 6], [5, bad]], max_new_tokens=2)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message.format(r"input_ids\[1, 1\]")):
         model(torch.tensor([[5, 6], [5, bad]]))
     with pytest.raises(ValueError, match="input_ids must hold integer token ids, got torch.float32"):
         model(torch.tensor([[5.0, 6.0]]))

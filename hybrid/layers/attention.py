@@ -110,8 +110,12 @@ class Attention(nn.Module):
         """A packed forward's attention, [1, nq, T, hd]: the one-token (decode) sequences together through
         the kernel's paged entry when the cache offers it (`attend_decode`: one call over their pool rows),
         the others each alone."""
-        segments = list(ctx.packed.segments())
         ext = decode_kernel(q, k) if hasattr(kv, "attend_decode") else None
+        if ext is not None and ctx.packed.decode_only:  # every sequence one token, in packed order
+            seqs = range(len(ctx.packed.lengths))
+            got = kv.attend_decode(seqs, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), ext)
+            return got.transpose(0, 1)[None].to(q.dtype)  # [1, nq, n, hd]
+        segments = list(ctx.packed.segments())
         ones = [i for i, (_, s0, s1) in enumerate(segments) if s1 - s0 == 1] if ext is not None else []
         outs: list[torch.Tensor | None] = [None] * len(segments)
         if ones:

@@ -109,6 +109,9 @@ class Mamba2Mixer(nn.Module):
         over its slot rows; the prompt chunks of all other sequences in one `_fused_chunks` call over their
         slot rows, or without that kernel grouped by length (`pad_groups`), each group as one right-padded
         batch (`_mix_chunks`), a chunk alone on a view of its slot."""
+        if packed.decode_only:  # every sequence one token, in packed order: one call, no gathering
+            conv, ssm, index = state.rows(range(len(packed.lengths)))
+            return self._decode(xBC[0], dt[0], conv, ssm, index)[None]
         segments = list(packed.segments())
         singles = [(s, s0) for s, s0, s1 in segments if s1 - s0 == 1]
         chunks = [seg for seg in segments if seg[2] - seg[1] > 1]

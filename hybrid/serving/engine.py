@@ -224,8 +224,11 @@ class Engine:
             self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n) for r, n in scheduled])
             ids = [t for r, n in scheduled for t in r.all_ids[r.num_computed:r.num_computed + n]]
             hidden = self.model.hidden_states(torch.tensor([ids], device=self.model.device), self.cache)[0]
-            last = torch.tensor(list(itertools.accumulate(n for _, n in scheduled)), device=hidden.device) - 1
-            last_hidden = hidden[last]
+            if len(ids) == len(scheduled):  # a decode step: every row is a sequence's last
+                last_hidden = hidden
+            else:
+                last = torch.tensor(list(itertools.accumulate(n for _, n in scheduled)), device=hidden.device) - 1
+                last_hidden = hidden[last]
             for row, (r, n) in enumerate(scheduled):
                 r.num_computed += n
                 if r.num_computed == r.num_tokens:
@@ -240,9 +243,7 @@ class Engine:
         if not ends:
             return outputs
         logits = self.model.logits(torch.stack([h for _, h in ends]))
-        tokens = [int(sample(apply_penalties(logits[j:j + 1], r.sampling, [r.prompt_ids], [r.output_ids],
-                                             [self._penalties(r, logits)]), r.sampling))
-                  for j, (r, _) in enumerate(ends)]
+        tokens = self._sample(logits, [r for r, _ in ends])
         logprobs = token_logprobs(logits, tokens, [r.sampling.logprobs for r, _ in ends])
         now = time.perf_counter()
         for (r, _), token, lp in zip(ends, tokens, logprobs):
@@ -279,6 +280,16 @@ class Engine:
         return prefix_file.load(self._require_prefix(), self.slots, path, self.model.config.vocab_size,
                                 hidden_size=self.model.config.hidden_size,
                                 grow=self.scheduler.grow)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """The next token of each request from its row of logits [n, V]: the greedy rows without penalties by
+        one argmax over all rows, every other row with its own parameters and generator."""
+        plain = [not r.sampling.temperature and not r.sampling.penalized for r in requests]
+        argmax = logits.argmax(dim=-1).tolist() if any(plain) else None
+        return [argmax[j] if plain[j] else
+                int(sample(apply_penalties(logits[j:j + 1], r.sampling, [r.prompt_ids], [r.output_ids],
+                                           [self._penalties(r, logits)]), r.sampling))
+                for j, r in enumerate(requests)]
 
     @staticmethod
     def _penalties(r: Request, logits: torch.Tensor) -> PenaltyState | None:

@@ -69,8 +69,7 @@ class _KVLayer:
         blocks = self.cache.blocks
         flat = (-1, blocks.k[self.j].shape[2], blocks.k[self.j].shape[3])
         k_pool, v_pool = blocks.k[self.j].view(flat), blocks.v[self.j].view(flat)
-        rows = [self.cache.position_index(s) for s in seqs]
-        new = torch.stack([r[-1] for r in rows])
+        rows, new = self.cache.decode_rows(seqs)
         k_pool.index_copy_(0, new, k.to(k_pool.dtype))
         v_pool.index_copy_(0, new, v.to(v_pool.dtype))
         return ext.paged_decode_attention(q, k_pool, v_pool, rows, q.shape[-1] ** -0.5)
@@ -87,8 +86,7 @@ class _MambaLayer:
         """(conv pool, ssm pool, the slots of sequences `seqs` [len(seqs)] int64): for one decode step of
         several sequences in place (`hybrid.ops.mamba_decode_step`)."""
         slots = self.cache.slots
-        index = torch.tensor([self.cache.seqs[s].slot for s in seqs], dtype=torch.long, device=slots.ssm[self.j].device)
-        return slots.conv[self.j], slots.ssm[self.j], index
+        return slots.conv[self.j], slots.ssm[self.j], self.cache.slot_index(seqs)
 
 
 class PagedCache(Cache):
@@ -103,6 +101,8 @@ class PagedCache(Cache):
         self.seqs: list[ScheduledSeq] = []
         self.packed: PackedSeqs | None = None
         self._index: dict[int, torch.Tensor] = {}
+        self._per_step: dict[tuple, object] = {}  # what every layer of this step asks alike, made once
+        self._offsets = torch.arange(blocks.block_size, device=blocks.k[0].device if blocks.k else "cpu")
         self._layers = []
         n_kv = n_mamba = 0
         for kind in config.hybrid_override_pattern:
@@ -128,7 +128,7 @@ class PagedCache(Cache):
             if s.num_tokens < 1 or len(s.block_table) * bs < s.past + s.num_tokens:
                 raise ValueError(f"sequence {i}: {len(s.block_table)} blocks of {bs} do not hold "
                                  f"{s.past} + {s.num_tokens} positions")
-        self.seqs, self._index = list(seqs), {}
+        self.seqs, self._index, self._per_step = list(seqs), {}, {}
         self.seq_len = sum(s.num_tokens for s in seqs)
         self.packed = PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs])
         return self.packed
@@ -137,10 +137,30 @@ class PagedCache(Cache):
         """Flat pool indices (block * block_size + offset) of sequence `s`'s positions [0, past + new)."""
         if s not in self._index:
             seq, bs = self.seqs[s], self.blocks.block_size
-            pos = torch.arange(seq.past + seq.num_tokens)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            self._index[s] = (table[pos // bs] * bs + pos % bs).to(self.blocks.k[0].device if self.blocks.k else "cpu")
+            n = seq.past + seq.num_tokens
+            table = torch.tensor(seq.block_table[:-(-n // bs)], dtype=torch.long, device=self._offsets.device)
+            self._index[s] = (table[:, None] * bs + self._offsets).flatten()[:n]
         return self._index[s]
+
+    def slot_index(self, seqs) -> torch.Tensor:
+        """The state slots of sequences `seqs` [len(seqs)] int64, on the pools' device (made once a step)."""
+        key = ("slots", tuple(seqs))
+        if key not in self._per_step:
+            device = self.slots.ssm[0].device if self.slots.ssm else "cpu"
+            self._per_step[key] = torch.tensor([self.seqs[s].slot for s in seqs], dtype=torch.long, device=device)
+        return self._per_step[key]
+
+    def decode_rows(self, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """(each sequence's flat pool rows `position_index`, the rows of their last positions [len(seqs)]) for a
+        decode over sequences `seqs` (made once a step, shared by the attention layers)."""
+        key = ("decode", tuple(seqs))
+        if key not in self._per_step:
+            bs = self.blocks.block_size
+            last = [self.seqs[s].past + self.seqs[s].num_tokens - 1 for s in seqs]
+            new = [self.seqs[s].block_table[p // bs] * bs + p % bs for s, p in zip(seqs, last)]
+            self._per_step[key] = ([self.position_index(s) for s in seqs],
+                                   torch.tensor(new, dtype=torch.long, device=self._offsets.device))
+        return self._per_step[key]
 
     # ------------------------------------------------------------------------------------------ Cache
     def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None, record: bool = False) -> StepContext:
