@@ -478,3 +478,25 @@ def test_a_saved_prefix_cache_serves_a_fresh_engine(model, tmp_path):
     assert c.cached_tokens == 31 and c.token_ids == alone(model, shared + [4, 5, 6], 6)
     with pytest.raises(ValueError, match="without prefix_caching"):
         Engine(model, num_blocks=8).save_prefix_cache(tmp_path / "q.safetensors")
+
+
+def test_a_server_pool_keeps_its_size_and_a_growing_pool_doubles_keeping_its_blocks():
+    from hybrid.config import HybridConfig
+    from hybrid.serving.blocks import BlockPool, GrowingBlockPool
+
+    config = HybridConfig(hybrid_override_pattern="M*", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, ssm_state_size=8,
+                          vocab_size=64)
+    fixed = BlockPool(config, 4, 2, torch.float32)
+    fixed.make_room(10)
+    assert fixed.num_blocks == 4 and not fixed.grows
+    pool = GrowingBlockPool(config, 4, 2, torch.float32)
+    held = [pool.allocate() for _ in range(3)]
+    pool.k[0][held[0]] = 1.5
+    pool.make_room(1)  # one is free: nothing to do
+    assert pool.num_blocks == 4
+    pool.make_room(2)  # one short: at least double
+    assert pool.num_blocks == 8 and pool.num_free == 5 and pool.k[0].shape[0] == 8
+    assert torch.all(pool.k[0][held[0]] == 1.5) and pool.refcount[:3] == [1, 1, 1]
+    pool.make_room(4, keep=4)  # four more beside four kept free: 8 free needed, 5 there
+    assert pool.num_blocks == 16 and pool.num_free == 13

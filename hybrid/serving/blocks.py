@@ -4,8 +4,8 @@ Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving 
 layout and the free-block queue follow vLLM's `BlockPool` / `KVCacheManager`.
 
 - One pool is allocated at start: per attention layer `k`, `v` [num_blocks, block_size, num_key_value_heads,
-  head_dim] in the model dtype, so resident memory stays flat however requests come and go (`grow` exists
-  for single-user generation, whose pool follows its longest call).
+  head_dim] in the model dtype, so resident memory stays flat however requests come and go
+  (`GrowingBlockPool` is for single-user generation, whose pool follows its longest call).
 - A sequence holds a block table (block ids, in position order): position p lives in block
   `table[p // block_size]` at offset `p % block_size`. Its blocks need not be contiguous or in order.
 - Blocks are reference-counted: a block full of a shared prefix is held once by every sequence using it.
@@ -91,21 +91,11 @@ class BlockPool:
         self.refcount[block] = 1
         return block
 
-    def grow(self, num_blocks: int) -> None:
-        """Enlarge the pool to `num_blocks` blocks (ids and contents kept; the new blocks are handed out
-        before any cached one). For a pool that grows with its use (single-user generation), not a server's."""
-        if num_blocks <= self.num_blocks:
-            return
-        for pools in (self.k, self.v):
-            for j, t in enumerate(pools):
-                new = t.new_zeros(num_blocks, *t.shape[1:])
-                new[: self.num_blocks] = t
-                pools[j] = new
-        for b in range(num_blocks - 1, self.num_blocks - 1, -1):
-            self._free[b] = None
-            self._free.move_to_end(b, last=False)
-        self.refcount += [0] * (num_blocks - self.num_blocks)
-        self.num_blocks = num_blocks
+    grows = False  # a server's pool is sized once (`GrowingBlockPool` follows its use)
+
+    def make_room(self, needed: int, keep: int = 0) -> None:
+        """Let `needed` more blocks be handed out while `keep` free ones stay unused: nothing to do for a pool
+        sized once (its caller then preempts or waits); `GrowingBlockPool` grows."""
 
     def hold(self, block: int) -> None:
         """One more holder of `block` (a sequence sharing it); a free cached block leaves the free queue."""
@@ -155,3 +145,33 @@ class BlockPool:
         """The names forgotten (their blocks handed out again) since the last call."""
         evicted, self.evicted = self.evicted, []
         return evicted
+
+
+class GrowingBlockPool(BlockPool):
+    """A `BlockPool` that grows (at least doubling) when it runs out instead of making its users wait: for one
+    user's generation calls (`hybrid.generate_ids`, `hybrid.prefix_cache.PrefixCache`), never for a server."""
+
+    grows = True
+
+    def make_room(self, needed: int, keep: int = 0) -> None:
+        """Grow until `needed` blocks are free beside `keep` (at least doubling, so a long generation grows
+        O(log n) times)."""
+        short = needed - (self.num_free - keep)
+        if short > 0:
+            self.grow(max(2 * self.num_blocks, self.num_blocks + short))
+
+    def grow(self, num_blocks: int) -> None:
+        """Enlarge the pool to `num_blocks` blocks (ids and contents kept; the new blocks are handed out
+        before any cached one)."""
+        if num_blocks <= self.num_blocks:
+            return
+        for pools in (self.k, self.v):
+            for j, t in enumerate(pools):
+                new = t.new_zeros(num_blocks, *t.shape[1:])
+                new[: self.num_blocks] = t
+                pools[j] = new
+        for b in range(num_blocks - 1, self.num_blocks - 1, -1):
+            self._free[b] = None
+            self._free.move_to_end(b, last=False)
+        self.refcount += [0] * (num_blocks - self.num_blocks)
+        self.num_blocks = num_blocks

@@ -29,7 +29,7 @@ import torch
 from hybrid.batch import check_max_new_tokens, check_prompt
 from hybrid.model import HybridForCausalLM
 from hybrid.sampling import Completion, PenaltyState, SamplingParams, apply_penalties, for_call, sample
-from hybrid.serving.blocks import BlockPool
+from hybrid.serving.blocks import BlockPool, GrowingBlockPool
 from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
 from hybrid.serving import prefix_file
 from hybrid.serving.paged_cache import PagedCache, ScheduledSeq
@@ -91,8 +91,9 @@ class Engine:
         prefix_caching: share the KV blocks of common prefixes across requests and resume from Mamba
             snapshots (`hybrid.serving.prefix`), taken every `snapshot_interval` prompt tokens and at each
             prompt's end within `prefix_cache_bytes`.
-        grow: the KV pool grows (doubling) when it runs out instead of preempting, and requests have no
-            length limit: for one user's generation calls (`hybrid.prefix_cache.PrefixCache`), not a server.
+        grow: the KV pool is a `GrowingBlockPool` (it grows, at least doubling, when it runs out, instead of
+            preempting) and requests have no length limit: for one user's generation calls (`generate_ids`,
+            `hybrid.prefix_cache.PrefixCache`), not a server.
     Raises:
         ValueError: a size that is not an integer >= 1 (named), max_model_len past what the pool holds or
             below 2, or a snapshot_interval that is not a multiple of block_size.
@@ -113,7 +114,8 @@ class Engine:
         if not (isinstance(prefix_cache_bytes, numbers.Integral) and not isinstance(prefix_cache_bytes, bool)
                 and prefix_cache_bytes >= 0):
             raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r:.80}")
-        self.blocks = BlockPool(config, num_blocks, block_size, model.dtype, model.device)
+        self.blocks = (GrowingBlockPool if grow else BlockPool)(config, num_blocks, block_size, model.dtype,
+                                                                 model.device)
         self.slots = StateSlots(config, max_num_seqs, model.dtype, model.device)
         pool_tokens = num_blocks * block_size
         self.max_model_len = (None if grow else pool_tokens) if max_model_len is None else max_model_len
@@ -122,7 +124,7 @@ class Engine:
                              f"{block_size} hold), got {max_model_len}")
         self.prefix = PrefixCaching(model.identity, self.blocks, snapshot_interval, prefix_cache_bytes) \
             if prefix_caching else None
-        self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs, max_num_batched_tokens, self.prefix, grow)
+        self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs, max_num_batched_tokens, self.prefix)
         self.cache = PagedCache(config, self.blocks, self.slots)
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
@@ -278,8 +280,7 @@ class Engine:
             PrefixCacheFileError: see `hybrid.serving.prefix_file.load` (nothing is added then).
         """
         return prefix_file.load(self._require_prefix(), self.slots, path, self.model.config.vocab_size,
-                                hidden_size=self.model.config.hidden_size,
-                                grow=self.scheduler.grow)
+                                hidden_size=self.model.config.hidden_size)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """The next token of each request from its row of logits [n, V]: the greedy rows without penalties by

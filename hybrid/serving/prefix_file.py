@@ -77,12 +77,13 @@ def save(prefix: PrefixCaching, path: str | Path) -> None:
         save_file(tensors, str(tmp), metadata=meta)
 
 
-def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size: int, grow: bool = False,
+def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size: int,
          hidden_size: int | None = None) -> int:
     """Add the blocks and snapshots of `path` (see `save`); returns the snapshots added. Blocks go into free
-    blocks of the pool (grown first when `grow`; otherwise as many as fit, parents first, least recently used
-    cached blocks handed out first), each left free and named; a snapshot whose block did not fit is left out.
-    Snapshots keep their last hidden states when `hidden_size` is given (checked against it), else drop them.
+    blocks of the pool (grown first when it grows: `GrowingBlockPool`; otherwise as many as fit, parents first,
+    least recently used cached blocks handed out first), each left free and named; a snapshot whose block did
+    not fit is left out. Snapshots keep their last hidden states when `hidden_size` is given (checked against
+    it), else drop them.
 
     Raises:
         PrefixCacheFileError: not a readable safetensors file (cut short, another format), another format
@@ -101,8 +102,7 @@ def load(prefix: PrefixCaching, slots: StateSlots, path: str | Path, vocab_size:
         raise PrefixCacheFileError(f"{path}: not a readable prefix-cache file ({e})") from None
     pool = prefix.blocks
     new = [b for b in blocks if pool.find(b[0].digest) is None]
-    if grow and len(new) > pool.num_free:
-        pool.grow(pool.num_blocks + len(new) - pool.num_free)
+    pool.make_room(len(new))  # a growing pool takes them all; a server's, as many as fit
     loaded = []
     for name, kv in new[:pool.num_free]:
         block = pool.allocate()

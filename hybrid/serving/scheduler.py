@@ -41,19 +41,19 @@ if TYPE_CHECKING:
 class Scheduler:
     """Waiting and running requests over one `BlockPool` and one `StateSlots` pool (see the module docstring).
 
-    grow: enlarge the block pool (doubling) instead of preempting or waiting when it runs out, and, while
-    the prefix cache is within its byte budget, instead of handing out blocks that hold cached prefixes:
-    for single-user generation (`hybrid.prefix_cache`), never for a server.
+    A pool that grows (`GrowingBlockPool`: single-user generation) is enlarged instead of preempting or waiting
+    when it runs out, and, while the prefix cache is within its byte budget, instead of handing out blocks that
+    hold cached prefixes.
     Raises:
         ValueError: max_num_seqs or max_num_batched_tokens below 1.
     """
 
     def __init__(self, blocks: BlockPool, slots: StateSlots, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix: "PrefixCaching | None" = None, grow: bool = False):
+                 prefix: "PrefixCaching | None" = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs} and "
                              f"{max_num_batched_tokens}")
-        self.blocks, self.slots, self.prefix, self.grow = blocks, slots, prefix, grow
+        self.blocks, self.slots, self.prefix = blocks, slots, prefix
         self.max_num_seqs = min(max_num_seqs, slots.num_slots)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -121,11 +121,9 @@ class Scheduler:
     def _room(self, request: Request, n: int) -> bool:
         """Whether the free blocks hold `n` more tokens of `request` (growing the pool first if it grows)."""
         needed = self._blocks_needed(request, n)
-        if self.grow:
+        if self.blocks.grows:  # cached prefixes' blocks are kept while the prefix cache is within its budget
             keep = self.blocks.num_free_cached() if self.prefix is not None and self.prefix.within_budget() else 0
-            short = needed - (self.blocks.num_free - keep)
-            if short > 0:
-                self.blocks.grow(max(2 * self.blocks.num_blocks, self.blocks.num_blocks + short))
+            self.blocks.make_room(needed, keep)
         return needed <= self.blocks.num_free
 
     def _allocate(self, request: Request, n: int) -> None:
