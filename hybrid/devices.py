@@ -55,7 +55,7 @@ def check_required_kernels(device: torch.device | str) -> None:
     Raises:
         KernelUnavailable: naming each package that does not import, and its error.
     """
-    if not backend.require_kernels() or not (torch.device(device).type == "cuda" or backend.triton_on_cpu()):
+    if not backend.require_kernels() or not backend.gpu_path_on(device):
         return
     if missing := missing_kernels():
         raise backend.KernelUnavailable(
@@ -70,7 +70,7 @@ def describe(device: torch.device | str) -> dict[str, str]:
     from moe import router
     from moe.quant.kernels import status as quant_status
 
-    on_gpu = torch.device(device).type == "cuda" or backend.triton_on_cpu()
+    on_gpu = backend.gpu_path_on(device)
     routing = "PyTorch" if on_gpu or router.kernel() is None else "C++ (cpu_router.cpp) for decode rows, else PyTorch"
     ops = {**kernel_status(on_gpu), "MoE router": routing, **quant_status(on_gpu)}
     if on_gpu and backend.require_kernels():  # a fallback is an error then, not PyTorch

@@ -84,6 +84,11 @@ def cpu_kernels(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not triton_on_cpu()
 
 
+def gpu_path_on(device: torch.device | str) -> bool:
+    """`gpu_path` for a device rather than a tensor (which kernels a load or a report is about)."""
+    return torch.device(device).type == "cuda" or triton_on_cpu()
+
+
 def cpu_kernels_on(device: torch.device | str) -> bool:
     """`cpu_kernels` for a device rather than a tensor (what a load prepares: prepacked weights, built kernels)."""
     return torch.device(device).type == "cpu" and not triton_on_cpu()
