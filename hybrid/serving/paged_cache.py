@@ -100,8 +100,7 @@ class PagedCache(Cache):
         self.batch_size, self.seq_len, self.key_mask = 1, 0, None
         self.seqs: list[ScheduledSeq] = []
         self.packed: PackedSeqs | None = None
-        self._index: dict[int, torch.Tensor] = {}
-        self._per_step: dict[tuple, object] = {}  # what every layer of this step asks alike, made once
+        self._per_step: dict[tuple, object] = {}  # what the layers of this step ask alike, made once
         self._offsets = torch.arange(blocks.block_size, device=blocks.k[0].device if blocks.k else "cpu")
         self._layers = []
         n_kv = n_mamba = 0
@@ -128,19 +127,20 @@ class PagedCache(Cache):
             if s.num_tokens < 1 or len(s.block_table) * bs < s.past + s.num_tokens:
                 raise ValueError(f"sequence {i}: {len(s.block_table)} blocks of {bs} do not hold "
                                  f"{s.past} + {s.num_tokens} positions")
-        self.seqs, self._index, self._per_step = list(seqs), {}, {}
+        self.seqs, self._per_step = list(seqs), {}
         self.seq_len = sum(s.num_tokens for s in seqs)
         self.packed = PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs])
         return self.packed
 
     def position_index(self, s: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of sequence `s`'s positions [0, past + new)."""
-        if s not in self._index:
+        key = ("rows", s)
+        if key not in self._per_step:
             seq, bs = self.seqs[s], self.blocks.block_size
             n = seq.past + seq.num_tokens
             table = torch.tensor(seq.block_table[:-(-n // bs)], dtype=torch.long, device=self._offsets.device)
-            self._index[s] = (table[:, None] * bs + self._offsets).flatten()[:n]
-        return self._index[s]
+            self._per_step[key] = (table[:, None] * bs + self._offsets).flatten()[:n]
+        return self._per_step[key]
 
     def slot_index(self, seqs) -> torch.Tensor:
         """The state slots of sequences `seqs` [len(seqs)] int64, on the pools' device (made once a step)."""
