@@ -14,11 +14,11 @@ from hybrid.model import HybridForCausalLM
 from hybrid.prefix_cache import PrefixCache
 from hybrid.sampling import Completion, SamplingParams
 from hybrid.saving import save_checkpoint
-from hybrid.speculative import SpeculativeStats, speculative_generate_ids
+from hybrid.serving.speculation import SpeculativeStats
 from hybrid.tokenizer import Tokenizer
 
 __all__ = [
     "CheckpointError", "Completion", "ConfigError", "HybridCache", "HybridConfig", "HybridForCausalLM",
     "PrefixCache", "SamplingParams", "SpeculativeStats", "Tokenizer", "generate", "load", "load_model",
-    "save_checkpoint", "speculative_generate_ids",
+    "save_checkpoint",
 ]

@@ -95,9 +95,6 @@ def _generate_on(args, rank: int, world: int) -> int:
         return 2
     if args.enable_thinking is not None and not args.chat:
         print("note: --enable-thinking only matters with --chat", file=sys.stderr)
-    if args.speculative and args.prefix_cache:
-        print("error: --speculative and --prefix-cache cannot be combined", file=sys.stderr)
-        return 2
     if args.speculative and (args.repetition_penalty != 1 or args.frequency_penalty or args.presence_penalty):
         print("error: --speculative cannot be combined with a penalty (--repetition-penalty, "
               "--frequency-penalty, --presence-penalty)", file=sys.stderr)
@@ -158,7 +155,7 @@ def _generate_on(args, rank: int, world: int) -> int:
     if prefix_path:
         from hybrid.prefix_cache import PrefixCache
 
-        prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
+        prefix_cache = PrefixCache(model, args.prefix_snapshot_interval, num_speculative_tokens=args.speculative)
         absent = "its file does not exist yet"  # the same words on every rank: `agree` finds them equal
         present = Path(prefix_path).exists()
         problem = None
@@ -172,10 +169,10 @@ def _generate_on(args, rank: int, world: int) -> int:
             missing = launch.agree(None if present else absent)
             if problem is None and missing not in (None, absent):  # some ranks' files only: start afresh, rewrite
                 print(f"note: not using the prefix cache (every rank's file is rewritten): {missing}", file=sys.stderr)
-                prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
+                prefix_cache = PrefixCache(model, args.prefix_snapshot_interval, num_speculative_tokens=args.speculative)
         if problem:
             print(f"note: not using the prefix cache (left unchanged): {problem}", file=sys.stderr)
-            prefix_cache = PrefixCache(model, snapshot_interval=args.prefix_snapshot_interval)
+            prefix_cache = PrefixCache(model, args.prefix_snapshot_interval, num_speculative_tokens=args.speculative)
             save_prefix_cache = False
 
     def stream(row: int, text: str) -> None:
@@ -494,7 +491,7 @@ def _positive_int(text: str) -> int:
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:
-    """The serving engine's step budget and snapshot spacing (`hybrid serve`, `hybrid chat`); the defaults
+    """The serving engine's step budget, snapshot spacing and drafts (`hybrid serve`, `hybrid chat`); the defaults
     are hybrid.serving.engine's DEFAULT_MAX_NUM_BATCHED_TOKENS and hybrid.serving.prefix's
     DEFAULT_SNAPSHOT_INTERVAL (not imported here: parsing stays free of torch)."""
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, metavar="N",
@@ -505,6 +502,10 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens between the prefix cache's Mamba snapshots (a hit resumes at the last one "
                         "inside the shared prefix, or at an earlier prompt's end; each weighs one state slot; a "
                         "multiple of 16; default: %(default)s)")
+    p.add_argument("--speculative", type=_non_negative_int, default=0, metavar="N",
+                   help="draft up to N tokens per request and step with the checkpoint's MTP block and verify them "
+                        "in the next step (greedy output unchanged, sampled output distributed alike; requests with "
+                        "penalties draft none); 0 (the default): off")
 
 
 def _device_option(p: argparse.ArgumentParser, more: str = "") -> None:

@@ -3,8 +3,8 @@
 Generation runs on the serving engine (`hybrid.serving.engine.Engine`, one made per call, its KV pool growing
 with the call): the prompts are packed sequences over paged KV blocks and Mamba state slots, prefilled in chunks
 of `prefill_chunk_size` tokens beside the decode steps of the others, so a row gives the same tokens as the
-prompt run alone and nothing is padded. Speculative decoding (`hybrid.speculative`) still runs on the dense
-`HybridCache`.
+prompt run alone and nothing is padded; with `speculative`, the engine drafts with the MTP block and verifies
+in the same packed steps (`hybrid.serving.speculation`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from hybrid.model import HybridForCausalLM
 from hybrid.sampling import Completion, Sampling, SamplingParams, check_rank_draws, for_call
 from hybrid.serving.capacity import DEFAULT_BLOCK_SIZE
 from hybrid.serving.engine import Engine
-from hybrid.speculative import speculative_generate_ids
 
 if TYPE_CHECKING:
     from hybrid.prefix_cache import PrefixCache
@@ -71,6 +70,7 @@ def generate_ids(
     prefill_chunk_size: int = PREFILL_CHUNK_SIZE,
     on_tokens: Callable[[list[int | None]], None] | None = None,
     prefix_cache: "PrefixCache | None" = None,
+    speculative: int = 0,
 ) -> list[Completion]:
     """Generate from token-id prompts, on the serving engine (`hybrid.serving.engine.Engine`): the prompts are
     packed sequences, not a padded batch, so each row gives the tokens it gives alone.
@@ -84,6 +84,10 @@ def generate_ids(
         on_tokens: called after each step with the new token of each row (None for rows without one).
         prefix_cache: a `hybrid.prefix_cache.PrefixCache` of this model: the prompts run on its engine instead,
             each resuming from its longest cached prefix and leaving its own prefix cached.
+        speculative: draft up to this many tokens per step with the model's MTP block and verify them
+            (`hybrid.serving.speculation`): greedy rows give the tokens of plain decoding, sampled rows the
+            same distribution; each `Completion.acceptance_rate` tells the share of its drafts accepted.
+            With a prefix_cache, the one it was made with (`PrefixCache(num_speculative_tokens=...)`).
     Returns:
         B `Completion`s (text empty; see `generate` for text); each row's prefill time runs from the call to
         its first token.
@@ -96,23 +100,30 @@ def generate_ids(
             id, named by row and position; see `hybrid.batch.check_prompts`), max_new_tokens not an integer
             >= 1, `sampling` not a `SamplingParams` or a list of B of them, a prompt id outside the model's
             vocabulary [0, config.vocab_size) (named with its row and position), prefill_chunk_size not an
-            integer >= 1, a prefix_cache made for another model, or, on a tensor-parallel rank, a sampled row
-            without a seed (`hybrid.sampling.check_rank_draws`).
+            integer >= 1, a prefix_cache made for another model or another `speculative`, speculative below 0,
+            with a model without an MTP block, or with penalties in `sampling` (each drafted position would need
+            the penalties before it), or, on a tensor-parallel rank, a sampled row without a seed
+            (`hybrid.sampling.check_rank_draws`).
     """
     check_prompts(prompts, model.config.vocab_size)
     max_new_tokens = check_max_new_tokens(max_new_tokens)
     sampling = for_call(sampling, len(prompts))  # checked; seeded generators start from their seeds
     check_rank_draws(sampling, model.parallel is not None)
+    if speculative and any(p.penalized for p in (sampling if isinstance(sampling, (list, tuple)) else [sampling])):
+        raise ValueError("repetition / frequency / presence penalties are not supported with speculative decoding")
     positions = _PositionNote(model.config.max_position_embeddings)
     positions.check(max(len(p) for p in prompts))
     if prefix_cache is not None:  # on the serving engine: every row resumes from its longest cached prefix
         if prefix_cache.model is not model:
             raise ValueError("prefix_cache was made for another model: a PrefixCache serves the model it was made with")
+        if speculative != prefix_cache.num_speculative_tokens:
+            raise ValueError(f"speculative is {speculative} but the prefix_cache was made with "
+                             f"num_speculative_tokens={prefix_cache.num_speculative_tokens}")
         return prefix_cache.generate(prompts, max_new_tokens, sampling, stop_ids, positions.watch(prompts, on_tokens))
-    ahead = min(max_new_tokens, RESERVE_AHEAD)  # the pool grows past this by itself
+    ahead = min(max_new_tokens, RESERVE_AHEAD) + speculative  # the pool grows past this by itself
     blocks = sum(-(-(len(p) + ahead) // DEFAULT_BLOCK_SIZE) for p in prompts)
     engine = Engine(model, num_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE, max_num_seqs=len(prompts),
-                    max_num_batched_tokens=prefill_chunk_size, grow=True)
+                    max_num_batched_tokens=prefill_chunk_size, grow=True, num_speculative_tokens=speculative)
     return engine.generate(prompts, sampling, max_new_tokens, stop_ids, positions.watch(prompts, on_tokens))
 
 
@@ -197,9 +208,9 @@ def generate(
     Args:
         prompts: a string or a list of strings (run together; each row independent, as it runs alone).
         speculative: draft this many tokens per step with the model's MTP block and verify them
-            (`hybrid.speculative`; one prompt only; the output distribution is unchanged).
+            (`hybrid.serving.speculation`; the output distribution is unchanged).
         prefix_cache: reuse and extend the cached state of earlier prompts' prefixes
-            (`hybrid.prefix_cache.PrefixCache`; not combined with `speculative`).
+            (`hybrid.prefix_cache.PrefixCache`, made with `num_speculative_tokens=speculative`).
         chat: wrap each prompt as a user message and render the checkpoint's chat template
             (`chat_kwargs`, e.g. `enable_thinking=False`, reach the template).
         on_text: streaming callback `(row, new_text)` called as text is produced.
@@ -211,16 +222,14 @@ def generate(
     Raises:
         TypeError: prompts not a str or a list of str (bytes included; named with their index).
         ValueError: no prompts, a prompt that is not UTF-8 (a lone surrogate, or a byte Python kept as one:
-            named with its index and the byte), max_new_tokens not an integer >= 1, speculative with several
-            prompts, with a prefix cache, or without an MTP block; a sampling number out of range or of the
+            named with its index and the byte), max_new_tokens not an integer >= 1, speculative without an MTP
+            block or with penalties; a sampling number out of range or of the
             wrong type (temperature negative or not finite, top_p outside (0, 1], top_k below -1, a penalty out of range; see
             `SamplingParams`: temperature below 1e-5 is greedy, top_k 0 or -1 no limit); a prompt token id
             outside the model's vocabulary (see `generate_ids`).
     """
     prompts = _check_texts(prompts)
     max_new_tokens = check_max_new_tokens(max_new_tokens)
-    if speculative and (len(prompts) != 1 or prefix_cache is not None):
-        raise ValueError("speculative decoding takes one prompt and no prefix cache")
     sampling = SamplingParams(temperature, top_k, top_p, seed, repetition_penalty=repetition_penalty,
                               frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)  # checked first
     if chat:
@@ -229,14 +238,8 @@ def generate(
         ids = [tokenizer.encode(p) for p in prompts]
     stop_ids = tokenizer.stop_ids
     stream = _TextStream(tokenizer, len(ids), on_text, stop_ids) if on_text else None
-    if speculative:
-        c, stats = speculative_generate_ids(model, ids[0], max_new_tokens, speculative, sampling, stop_ids,
-                                            on_tokens=stream)
-        c.acceptance_rate = stats.acceptance_rate
-        completions = [c]
-    else:
-        completions = generate_ids(model, ids, max_new_tokens, sampling, stop_ids, tokenizer.pad_token_id,
-                                   on_tokens=stream, prefix_cache=prefix_cache)
+    completions = generate_ids(model, ids, max_new_tokens, sampling, stop_ids, tokenizer.pad_token_id,
+                               on_tokens=stream, prefix_cache=prefix_cache, speculative=speculative)
     for c in completions:
         body = c.token_ids[:-1] if c.finish_reason == "stop" else c.token_ids
         c.text = tokenizer.decode(body)

@@ -121,7 +121,7 @@ class MTP(nn.Module):
     def forward(self, prev_hidden: torch.Tensor, next_embeds: torch.Tensor, ctx: StepContext | None = None,
                 cache: Cache | None = None) -> torch.Tensor:
         """prev_hidden, next_embeds: [B, T, H] -> [B, T, H] after `final_layernorm` (the model's `logits` next).
-        `cache`: the block's own (`HybridForCausalLM.new_mtp_cache`), or None."""
+        `cache`: the block's own (`HybridForCausalLM.mtp_hidden_states`), or None."""
         first = self.layers[0]
         h = first.eh_proj(torch.cat([first.enorm(next_embeds), first.hnorm(prev_hidden)], dim=-1))
         for j, layer in enumerate(self.layers):
@@ -240,13 +240,6 @@ class HybridForCausalLM(nn.Module):
         """An empty inference state for `batch_size` sequences (KV preallocated for `capacity` positions)."""
         return HybridCache(self.cache_config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity)
 
-    def new_mtp_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
-        """An empty inference state for the MTP block's layers (see `mtp_step`)."""
-        if self.mtp is None:
-            raise ValueError("this model has no MTP block (num_nextn_predict_layers is 0)")
-        return HybridCache(self.cache_config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity,
-                           pattern=self.config.mtp_pattern)
-
     # ------------------------------------------------------------------------------------------ forward
     def forward(
         self,
@@ -254,18 +247,16 @@ class HybridForCausalLM(nn.Module):
         cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        record: bool = False,
         return_hidden: bool = False,
     ):
         """Logits [B, T, V] float32 (or the last `logits_to_keep` positions).
 
-        record: keep per-token Mamba states so that `cache.rollback` can undo a suffix of these tokens.
         return_hidden: also return the normalised hidden states [B, T, H] that `lm_head` reads (the
             input of the MTP block), as `(logits, hidden)`.
         Raises:
             ValueError: see `hidden_states` (e.g. a token id outside the vocabulary, named with its position).
         """
-        h = self.hidden_states(input_ids, cache, attention_mask, record)
+        h = self.hidden_states(input_ids, cache, attention_mask)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = self.logits(h)
@@ -278,7 +269,6 @@ class HybridForCausalLM(nn.Module):
 
     def hidden_states(
         self, input_ids: torch.Tensor, cache: Cache | None = None, attention_mask: torch.Tensor | None = None,
-        record: bool = False,
     ) -> torch.Tensor:
         """The normalised output of the stack, `norm_f(h)`: [B, T, hidden_size] in the model dtype (what
         `logits` and the MTP block read). Padded positions (False in `attention_mask`) may hold any id: they
@@ -297,22 +287,20 @@ class HybridForCausalLM(nn.Module):
         mask = self._token_mask(attention_mask, B, T, cache)
         ids = input_ids if mask is None else input_ids.masked_fill(~mask, 0)
         self._check_ids(ids)  # before the cache advances
-        ctx = cache.begin(B, T, mask, record) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
+        ctx = cache.begin(B, T, mask) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
         h = self.backbone.embeddings(ids)
         for i, block in enumerate(self.backbone.layers):
             h = block(h, ctx, cache.layer(i) if cache is not None else None)
         return self.backbone.norm_f(h)
 
-    def mtp_step(self, hidden: torch.Tensor, next_ids: torch.Tensor, mtp_cache: Cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the MTP block over new positions on its own cache.
+    def mtp_hidden_states(self, hidden: torch.Tensor, next_ids: torch.Tensor, mtp_cache: Cache) -> torch.Tensor:
+        """Run the MTP block over new positions on its cache (the engine's: `PagedCache(..., mtp=True)`).
 
-        hidden: [B, T, H] normalised hidden states (the main model's, from `forward(..., return_hidden=True)`,
-        or the block's own output when drafting recursively); next_ids: [B, T] the token after each position.
-        Returns (logits [B, T, V] float32 for the token after `next_ids`, the block's output [B, T, H]).
-        """
+        hidden: [B, T, H] normalised hidden states (the main model's, from `hidden_states`, or the block's own
+        output when drafting recursively); next_ids: [B, T] the token after each position. Returns the block's
+        output [B, T, H] (`logits` of it: the token after `next_ids`)."""
         ctx = mtp_cache.begin(next_ids.shape[0], next_ids.shape[1], None)
-        out = self.mtp(hidden, self.backbone.embeddings(next_ids), ctx, mtp_cache)
-        return self.logits(out), out
+        return self.mtp(hidden, self.backbone.embeddings(next_ids), ctx, mtp_cache)
 
     def mtp_logits(self, hidden: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
         """Logits of the token after `next_ids` from the MTP block, without a cache (training, tests).

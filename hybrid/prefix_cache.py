@@ -44,20 +44,23 @@ class PrefixCache:
         max_bytes: bound on the bytes of all snapshots, least recently used evicted first (the KV of cached
             prefixes lives in the engine's pool, in free blocks handed out again when a call needs them).
         block_size: tokens per KV block.
+        num_speculative_tokens: the calls draft this many tokens per step with the MTP block and verify them
+            (`hybrid.serving.speculation`; 0: off).
     Raises:
-        ValueError: snapshot_interval not a positive multiple of block_size, block_size below 1 or
-            max_bytes below 0.
+        ValueError: snapshot_interval not a positive multiple of block_size, block_size below 1,
+            max_bytes below 0, or num_speculative_tokens below 0 or with a model without an MTP block.
     """
 
     def __init__(self, model: HybridForCausalLM, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL,
-                 max_bytes: int = 2**30, block_size: int = DEFAULT_BLOCK_SIZE):
+                 max_bytes: int = 2**30, block_size: int = DEFAULT_BLOCK_SIZE, num_speculative_tokens: int = 0):
         if not (isinstance(max_bytes, numbers.Integral) and not isinstance(max_bytes, bool) and max_bytes >= 0):
             raise ValueError(f"max_bytes must be an integer >= 0, got {max_bytes!r:.80}")
         self.model = model
         self.engine = Engine(model, num_blocks=_INITIAL_BLOCKS, block_size=block_size, max_num_seqs=1,
                              prefix_caching=True, snapshot_interval=snapshot_interval, prefix_cache_bytes=max_bytes,
-                             grow=True)
+                             grow=True, num_speculative_tokens=num_speculative_tokens)
         self._prefix = self.engine.prefix
+        self.num_speculative_tokens = num_speculative_tokens
 
     @property
     def identity(self) -> str:

@@ -633,7 +633,8 @@ def server_command(args, directory: Path, port: int, dtype: str) -> list[str]:
     cmd = [str(hybrid_cmd)] if hybrid_cmd.exists() else [sys.executable, "-m", "hybrid.cli"]
     return cmd + ["serve", str(directory), "--port", str(port), "--threads", str(args.threads), "--dtype", dtype,
                   "--max-num-seqs", str(max(args.clients + [args.soak_clients, args.streams + 1])),
-                  "--max-queue", str(max(args.clients + [args.soak_clients]) + 16)]
+                  "--max-queue", str(max(args.clients + [args.soak_clients]) + 16)] \
+        + (["--speculative", str(args.speculative)] if args.speculative else [])
 
 
 def check_references(model, tokenizer, prompts: Prompts, indices: list[int], max_tokens: int) -> dict[int, dict]:
@@ -1007,6 +1008,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--distinct-tokens", type=int, default=None,
                    help="tokens of a distinct prompt and of a conversation's opening (default 256)")
     p.add_argument("--chat-turns", type=int, default=None, help="requests per conversation (default 4)")
+    p.add_argument("--speculative", type=int, default=0, metavar="N",
+                   help="our server drafts N tokens a step with the checkpoint's MTP block (default: 0, off); the "
+                        "acceptance rate from /metrics goes into the report")
     p.add_argument("--port", type=int, default=None, help="our server's port (default: a free one; llama.cpp: the next)")
     p.add_argument("--workdir", type=Path, default=Path.home() / ".cache" / "hybrid-bench")
     p.add_argument("--out", type=Path, default=Path("serve_bench.json"))
@@ -1062,6 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
               "the boundary): their hits resume earlier", file=sys.stderr)
     target_indices = dict(plan)[target]
     report = {"model": str(args.checkpoint or args.preset), "dtype": args.dtype, "threads": args.threads,
+              "speculative": args.speculative,
               "max_tokens": args.max_tokens, "clients": args.clients, "target_level": target,
               "check_dtype": args.check_dtype, "chat_turns": args.chat_turns, "workloads": {},
               "prompts": {"system_tokens": prompts.system_tokens, "long_tokens": prompts.long_tokens,
@@ -1103,6 +1108,12 @@ def main(argv: list[str] | None = None) -> int:
         report["long_prompt"] = run_long_prompt(server, name, prompts, stream_indices, args.max_tokens)
         checkpoint("the long prompt")
         report["server_peak_rss_bytes"] = server.overall_peak()
+        if args.speculative:
+            spec = read_metrics(url)
+            report["speculative"] = {"num_speculative_tokens": args.speculative,
+                                     "draft_tokens": spec.get("spec_decode_num_draft_tokens_total"),
+                                     "accepted_tokens": spec.get("spec_decode_num_accepted_tokens_total"),
+                                     "acceptance_rate": spec.get("spec_decode_acceptance_rate")}
     finally:
         server.stop()
     log("chunk and step times on the engine alone ...")

@@ -3,7 +3,7 @@
     python scripts/bench_speculative.py [CHECKPOINT] --num-draft 1 2 3 --max-new-tokens 128
 
 For each prompt (prose openings and recall prompts, whose answers the MTP block drafts well), greedy
-decoding with `hybrid.generate.generate_ids` and with `hybrid.speculative.speculative_generate_ids` at
+decoding with `hybrid.generate.generate_ids`, without and with `speculative=N` (the engine's MTP drafts) at
 each draft length. Reports the acceptance rate (accepted / drafted), decode tokens/s (medians over
 `--repeats`), the speedup, and checks the tokens are identical. Prints a table, writes JSON to `--out`.
 """
@@ -23,7 +23,6 @@ from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.eval.tasks import fit_to_length
 from hybrid.generate import generate_ids
 from hybrid.loading import load
-from hybrid.speculative import speculative_generate_ids
 
 PROSE = [
     "The for statement is used to iterate over the elements of a sequence",
@@ -69,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         row = {"prompt": kind, "prompt_tokens": len(ids), "generated": len(runs[0].token_ids),
                "plain_decode_tok_s": plain_tps}
         for n in args.num_draft:
-            spec = [speculative_generate_ids(model, ids, args.max_new_tokens, n, stop_ids=stop)
+            spec = [generate_ids(model, [ids], args.max_new_tokens, stop_ids=stop, speculative=n)[0]
                     for _ in range(args.repeats)]
-            identical &= all(c.token_ids == runs[0].token_ids for c, _ in spec)
-            tps = statistics.median(c.decode_tokens_per_s or 0.0 for c, _ in spec)
-            row[f"n{n}_acceptance"] = spec[0][1].acceptance_rate
+            identical &= all(c.token_ids == runs[0].token_ids for c in spec)
+            tps = statistics.median(c.decode_tokens_per_s or 0.0 for c in spec)
+            row[f"n{n}_acceptance"] = spec[0].acceptance_rate
             row[f"n{n}_decode_tok_s"] = tps
             row[f"n{n}_speedup"] = tps / plain_tps if plain_tps else None
         rows.append(row)

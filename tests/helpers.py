@@ -306,7 +306,7 @@ def load_ours(directory, dtype=torch.float32):
 
 class InterfaceOnly(Cache):
     """A `Cache` that offers only the interface's methods, each forwarded to a `HybridCache` and counted: code
-    that runs on it uses the interface and nothing of the dense implementation (`layers`, `k`, `fill_rows` ...)."""
+    that runs on it uses the interface and nothing of the dense implementation (`layers`, `k` ...)."""
 
     def __init__(self, inner: HybridCache):
         self.inner, self.calls = inner, {}
@@ -325,14 +325,8 @@ class InterfaceOnly(Cache):
     def layer(self, i):
         return self._count("layer")(i)
 
-    def rollback(self, keep):
-        return self._count("rollback")(keep)
-
     def snapshot_kv(self, row, start, end):
         return self._count("snapshot_kv")(row, start, end)
 
     def snapshot_mamba(self, row):
         return self._count("snapshot_mamba")(row)
-
-    def restore(self, row, length, kv, mamba):
-        return self._count("restore")(row, length, kv, mamba)

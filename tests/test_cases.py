@@ -66,6 +66,7 @@ def record_ops(monkeypatch):
     tests/test_mamba_kernel.py."""
     import hybrid.layers.mamba2 as mamba2
     import hybrid.ops.decode as decode
+    from hybrid.ops import conv_step
 
     calls = []
     real_scan, real_step = mamba2.ssd_scan, mamba2.ssd_step
@@ -79,7 +80,7 @@ def record_ops(monkeypatch):
         return real_step(x, dt, A, B, C, state)
 
     def decode_step(*args):
-        return decode.mamba_decode_step(*args, mamba2.conv_step, step)
+        return decode.mamba_decode_step(*args, conv_step, step)
 
     monkeypatch.setattr(mamba2, "ssd_scan", scan)
     monkeypatch.setattr(mamba2, "ssd_step", step)

@@ -192,7 +192,8 @@ def test_sampling_speculative_and_prefix_cache_equal_one_process(tmp_path):
     one = generate_features(hybrid.load_model(directory, dtype="fp32", progress=False), prompt, NEW_TOKENS,
                             tmp_path / "prefix.safetensors")
     assert one["prefix_reused"] > 0 and one["prefix_loaded_reused"] > 0  # the cache was hit, in both ways
-    assert one["speculative_greedy_accepted"] < NEW_TOKENS and one["sampled"] != one["speculative_greedy"]
+    assert one["speculative_greedy_acceptance"] < 1 and one["sampled"] != one["speculative_greedy"]
+    assert one["prefix_speculative"] == one["prefix_second"]  # drafts over a prefix hit: the plain tokens
     ranks = run_ranks(directory, 2, tmp_path / "out", prompt, mode="features")
     for rank in ranks:
         assert rank == one

@@ -563,8 +563,12 @@ def shipped():
     """The shipped checkpoint as shipped (its own chat template), fp32, behind a real server."""
     model, tokenizer = hybrid.load(DEFAULT_CHECKPOINT, dtype="fp32")
     assert "<think>" in tokenizer.chat_template
-    engine = Engine(model, num_blocks=512, max_num_seqs=4, max_model_len=2048, prefix_caching=True,
-                    snapshot_interval=16)
+    yield from serving(model, tokenizer, Engine(model, num_blocks=512, max_num_seqs=4, max_model_len=2048,
+                                                prefix_caching=True, snapshot_interval=16))
+
+
+def serving(model, tokenizer, engine):
+    """A fixture's body: `engine` behind a real server until the fixture ends."""
     runner = EngineRunner(engine)
     server, thread, url = start(create_app(Server(runner, tokenizer, "hybrid-mini")))
     yield SimpleNamespace(url=url, model=model, tokenizer=tokenizer, engine=engine, runner=runner,
@@ -781,3 +785,46 @@ def test_each_finished_request_and_the_throughput_are_logged(served, caplog):
     assert mine[0].endswith(f"finish {r.choices[0].finish_reason}") and " tok/s, " in mine[0]
     assert any(line.startswith("throughput: prompt ") and "generation" in line and "prefix cache hit rate" in line
                for line in lines)
+
+
+# ---------------------------------------------------------------------------------------------- speculative decoding
+@pytest.fixture(scope="module")
+def drafting():
+    """The shipped checkpoint (fp32, its trained MTP block) behind a server that drafts 2 tokens a step."""
+    model, tokenizer = hybrid.load(DEFAULT_CHECKPOINT, dtype="fp32")
+    yield from serving(model, tokenizer, Engine(model, num_blocks=512, max_num_seqs=8, max_model_len=2048,
+                                                prefix_caching=True, snapshot_interval=16, num_speculative_tokens=2))
+
+
+def test_speculative_serving_gives_plain_greedy_completions_concurrently(drafting):
+    """8 concurrent greedy requests (streamed and not, with logprobs) on a server drafting with the MTP block:
+    each text equals plain `hybrid.generate` alone, the logprobs those of the model at each token, and /metrics
+    counts the drafts (the trained block gets some accepted)."""
+    prompts = [f"The for statement{' in Python' * (i % 3)} is used to" for i in range(8)] + [QUESTION]
+
+    async def all_of():
+        async with openai.AsyncOpenAI(base_url=drafting.url + "/v1", api_key="none") as client:
+            return await asyncio.gather(*(client.completions.create(model="hybrid-mini", prompt=p, max_tokens=24,
+                                                                     temperature=0, logprobs=1) for p in prompts))
+
+    answers = asyncio.run(all_of())
+    assert [a.choices[0].text for a in answers] == [alone(drafting, p, 24)[0] for p in prompts]
+    ids = drafting.tokenizer.encode(prompts[0])
+    _, out = alone(drafting, prompts[0], 24)
+    expected = model_logprobs(drafting, ids, out)[torch.arange(len(out)), out].tolist()
+    assert answers[0].choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    body = {"model": "hybrid-mini", "prompt": prompts[1], "max_tokens": 24, "temperature": 0, "stream": True}
+    streamed = "".join(c["choices"][0]["text"] for c in sse(drafting, "/v1/completions", body) if c["choices"])
+    assert streamed == alone(drafting, prompts[1], 24)[0]
+    drafted = metric(drafting, "spec_decode_num_draft_tokens_total")
+    accepted = metric(drafting, "spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert metric(drafting, "spec_decode_acceptance_rate") == pytest.approx(accepted / drafted, abs=1e-4)
+    wait_idle(drafting)
+
+
+def test_speculative_serving_samples_reproducibly(drafting):
+    """A seeded sampled request gives the same text twice (its drafts and acceptances draw from its own generator)."""
+    kwargs = {"model": "hybrid-mini", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0.8, "seed": 3}
+    first, second = (drafting.client.completions.create(**kwargs).choices[0].text for _ in range(2))
+    assert first == second and first

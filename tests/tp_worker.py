@@ -55,15 +55,14 @@ def generate_features(model, prompt: list[int], new_tokens: int, prefix_file: Pa
     from hybrid.generate import generate_ids
     from hybrid.prefix_cache import PrefixCache
     from hybrid.sampling import SamplingParams
-    from hybrid.speculative import speculative_generate_ids
 
     sampled = SamplingParams(temperature=0.9, top_k=50, seed=11)
     out = {"sampled": generate_ids(model, [prompt], new_tokens, sampled)[0].token_ids}
     if model.mtp is not None:
         for name, sampling in (("speculative_greedy", None), ("speculative_sampled", sampled)):
-            c, stats = speculative_generate_ids(model, prompt, new_tokens, 2, sampling)
+            c = generate_ids(model, [prompt], new_tokens, sampling, speculative=2)[0]
             out[name] = c.token_ids
-            out[name + "_accepted"] = stats.accepted
+            out[name + "_acceptance"] = c.acceptance_rate
     longer = prompt + [5, 6, 7, 8, 9, 10, 11, 12]
     cache = PrefixCache(model, snapshot_interval=16)
     out["prefix_first"] = generate_ids(model, [prompt], 6, prefix_cache=cache)[0].token_ids
@@ -74,6 +73,10 @@ def generate_features(model, prompt: list[int], new_tokens: int, prefix_file: Pa
     again.load(prefix_file)
     out["prefix_loaded"] = generate_ids(model, [longer], 6, prefix_cache=again)[0].token_ids
     out["prefix_loaded_reused"] = again.reused_tokens
+    if model.mtp is not None:  # speculative decoding on a prefix cache: the longer prompt resumes, then drafts
+        drafting = PrefixCache(model, snapshot_interval=16, num_speculative_tokens=2)
+        generate_ids(model, [prompt], 6, prefix_cache=drafting, speculative=2)
+        out["prefix_speculative"] = generate_ids(model, [longer], 6, prefix_cache=drafting, speculative=2)[0].token_ids
     return out
 
 

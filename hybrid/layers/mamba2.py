@@ -24,7 +24,7 @@ from torch import nn
 from hybrid.cache import MambaState, StepContext
 from hybrid.config import HybridConfig
 from hybrid.layers.norm import GatedRMSNorm
-from hybrid.ops import causal_conv1d, conv_step, mamba_chunks_fused, mamba_decode_step, ssd_scan, ssd_step
+from hybrid.ops import causal_conv1d, mamba_chunks_fused, mamba_decode_step, ssd_scan, ssd_step
 
 
 def pad_groups(segments: list[tuple[int, int, int]], max_padding: float = 2.0) -> list[list[tuple[int, int, int]]]:
@@ -78,13 +78,12 @@ class Mamba2Mixer(nn.Module):
         if mask is not None:
             x = x.masked_fill(~mask[..., None], 0.0)
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        record = state is not None and ctx is not None and ctx.record
         if ctx is not None and ctx.packed is not None:  # the recurrences per sequence, each in its own slot
             y = self._mix_packed(xBC, dt, ctx.packed, state)
-        elif state is not None and T == 1 and mask is None and not record:  # decode: one step per row
+        elif state is not None and T == 1 and mask is None:  # decode: one step per row
             y = self._decode(xBC[:, 0], dt[:, 0], state.conv, state.ssm, torch.arange(b, device=x.device))[:, None]
         else:
-            y = self._mix(xBC, dt, mask, state, record)
+            y = self._mix(xBC, dt, mask, state)
         y = self.norm(y.reshape(b, T, self.d_inner), z, out_dtype=x.dtype)
         return self.out_proj(y)
 
@@ -105,22 +104,23 @@ class Mamba2Mixer(nn.Module):
                                   self.time_step_limit, self.d_inner, self.n_groups)
 
     def _mix_packed(self, xBC, dt, packed, state) -> torch.Tensor:
-        """The recurrences of the packed sequences: every one-token sequence (a decode) in one `_decode`
-        over its slot rows; the prompt chunks of all other sequences in one `_fused_chunks` call over their
+        """The recurrences of the packed sequences: the verifying ones token by token (`_verify`); every
+        one-token sequence (a decode) in one `_decode` over its slot rows; the prompt chunks of all other sequences in one `_fused_chunks` call over their
         slot rows, or without that kernel grouped by length (`pad_groups`), each group as one right-padded
         batch (`_mix_chunks`), a chunk alone on a view of its slot."""
         if packed.decode_only:  # every sequence one token, in packed order: one call, no gathering
             conv, ssm, index = state.rows(range(len(packed.lengths)))
             return self._decode(xBC[0], dt[0], conv, ssm, index)[None]
         segments = list(packed.segments())
-        singles = [(s, s0) for s, s0, s1 in segments if s1 - s0 == 1]
-        chunks = [seg for seg in segments if seg[2] - seg[1] > 1]
-        ys = {}
+        verifying = [seg for seg in segments if seg[0] in packed.verifying]
+        singles = [(s, s0) for s, s0, s1 in segments if s1 - s0 == 1 and s not in packed.verifying]
+        chunks = [seg for seg in segments if seg[2] - seg[1] > 1 and seg[0] not in packed.verifying]
+        ys = self._verify(xBC[0], dt[0], verifying, state) if verifying else {}
         if singles:
             conv, ssm, index = state.rows([s for s, _ in singles])
             at = torch.tensor([s0 for _, s0 in singles], device=xBC.device)
             y = self._decode(xBC[0, at], dt[0, at], conv, ssm, index)
-            ys = {s: y[j][None, None] for j, (s, _) in enumerate(singles)}
+            ys.update({s: y[j][None, None] for j, (s, _) in enumerate(singles)})
         if chunks:
             conv, ssm, index = state.rows([s for s, _, _ in chunks])
             starts = torch.tensor([s0 for _, s0, _ in chunks])
@@ -132,10 +132,29 @@ class Mamba2Mixer(nn.Module):
         for group in pad_groups(chunks):
             if len(group) == 1:
                 s, s0, s1 = group[0]
-                ys[s] = self._mix(xBC[:, s0:s1], dt[:, s0:s1], None, state.seq(s), False)
+                ys[s] = self._mix(xBC[:, s0:s1], dt[:, s0:s1], None, state.seq(s))
             else:
                 ys.update(self._mix_chunks(xBC[0], dt[0], group, state))
         return torch.cat([ys[s] for s, _, _ in segments], dim=1)
+
+    def _verify(self, xBC, dt, segments, state) -> dict[int, torch.Tensor]:
+        """The verifying sequences `segments` [(sequence, start, end)] of the packed xBC [L, conv_dim], dt
+        [L, nh] (each its last token and its drafts): one `_decode` per token position over all of them, and
+        after each token but a sequence's last its states kept (`state.keep`) for the engine's rollback to
+        the last accepted token. Only the small recurrences step token by token; the projections around
+        them ran once over every token. Returns each sequence's y [1, n, nh, p] fp32."""
+        parts: dict[int, list[torch.Tensor]] = {s: [] for s, _, _ in segments}
+        for t in range(max(s1 - s0 for _, s0, s1 in segments)):
+            active = [(s, s0) for s, s0, s1 in segments if s1 - s0 > t]
+            conv, ssm, index = state.rows([s for s, _ in active])
+            at = torch.tensor([s0 + t for _, s0 in active], device=xBC.device)
+            y = self._decode(xBC[at], dt[at], conv, ssm, index)
+            for j, (s, _) in enumerate(active):
+                parts[s].append(y[j])
+            more = [s for s, s0, s1 in segments if s1 - s0 > t + 1]
+            if more:
+                state.keep(t, more)
+        return {s: torch.stack(p)[None] for s, p in parts.items()}
 
     def _mix_chunks(self, xBC, dt, group, state) -> dict[int, torch.Tensor]:
         """Several sequences' prompt chunks `group` [(sequence, start, end)] of the packed xBC [L, conv_dim],
@@ -149,25 +168,22 @@ class Mamba2Mixer(nn.Module):
         at = torch.where(mask, starts[:, None] + steps[None, :], 0)
         conv, ssm, index = state.rows([s for s, _, _ in group])
         batch = MambaState(conv=conv.index_select(0, index), ssm=ssm.index_select(0, index))
-        y = self._mix(xBC[at].masked_fill(~mask[..., None], 0.0), dt[at], mask, batch, False)
+        y = self._mix(xBC[at].masked_fill(~mask[..., None], 0.0), dt[at], mask, batch)
         conv.index_copy_(0, index, batch.conv)
         ssm.index_copy_(0, index, batch.ssm)
         return {s: y[j:j + 1, :s1 - s0] for j, (s, s0, s1) in enumerate(group)}
 
-    def _mix(self, xBC: torch.Tensor, dt: torch.Tensor, mask: torch.Tensor | None, state: MambaState | None,
-             record: bool) -> torch.Tensor:
+    def _mix(self, xBC: torch.Tensor, dt: torch.Tensor, mask: torch.Tensor | None, state: MambaState | None
+             ) -> torch.Tensor:
         """Steps 2-4 of the module docstring: xBC [b, T, conv_dim], dt [b, T, nh] (raw) -> y [b, T, nh, p]
         fp32 with the D skip, continuing and updating `state`."""
         b, T, _ = xBC.shape
-        if state is not None and mask is None and not record and T > 1:  # a prefill continuing the cache's rows
+        if state is not None and mask is None and T > 1:  # a prefill continuing the cache's rows
             y = self._fused_chunks(xBC.reshape(b * T, -1), dt.reshape(b * T, -1), state.conv, state.ssm,
                                    torch.arange(b), torch.arange(b) * T, torch.full((b,), T))
             if y is not None:
                 return y.view(b, T, self.num_heads, self.head_dim)
-        if record:
-            xBC, windows = self._conv_recorded(xBC, state)
-        else:
-            xBC = self._conv(xBC, mask, state)
+        xBC = self._conv(xBC, mask, state)
         xs, B, C = xBC.split([self.d_inner, self.n_groups * self.ssm_state_size, self.n_groups * self.ssm_state_size], dim=-1)
 
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.time_step_limit)  # [b, T, nh]
@@ -178,31 +194,13 @@ class Mamba2Mixer(nn.Module):
         B = B.view(b, T, self.n_groups, self.ssm_state_size)
         C = C.view(b, T, self.n_groups, self.ssm_state_size)
 
-        if record:  # one recurrent step per token, keeping the state after each (HybridCache.rollback)
-            ys, state.history = [], []
-            for t in range(T):
-                ys.append(ssd_step(xs[:, t], dt[:, t], A, B[:, t], C[:, t], state.ssm))
-                state.history.append((windows[t], state.ssm.clone()))
-            y = torch.stack(ys, dim=1)
-        elif state is not None and T == 1:
+        if state is not None and T == 1:
             y = ssd_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state.ssm)[:, None]
         else:
             y, final = ssd_scan(xs, dt, A, B, C, self.chunk_size, None if state is None else state.ssm)
             if state is not None:
                 state.ssm.copy_(final)
         return y + self.D.float()[:, None] * xs.float()
-
-    def _conv_recorded(self, xBC: torch.Tensor, state: MambaState) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The conv + SiLU one token at a time: (output [b, T, conv_dim], the window after each token).
-
-        Only the small recurrences (conv window, SSM state) step token by token when recording; the
-        projections around them run once over all tokens, so verifying n drafts reads the weights once."""
-        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
-        outs, windows = [], []
-        for t in range(xBC.shape[1]):
-            outs.append(conv_step(xBC[:, t], state.conv, weight, bias))
-            windows.append(state.conv.clone())
-        return torch.stack(outs, dim=1), windows
 
     def _conv(self, xBC: torch.Tensor, mask: torch.Tensor | None, state: MambaState | None) -> torch.Tensor:
         """Causal conv + SiLU over [b, T, conv_dim], continuing and updating the cached window.

@@ -44,20 +44,25 @@ class BlockPool:
 
     Attributes:
         k, v: per attention layer (in pattern order), [num_blocks, block_size, num_key_value_heads, head_dim].
+        mtp_k, mtp_v: the same for the attention layers of the MTP block (`config.mtp_pattern`) when `mtp`
+            (speculative decoding drafts with it), else empty. Prefix snapshots and files hold `k`, `v` only.
         refcount: [num_blocks] Python ints, the sequences holding each block.
     Raises:
         ValueError: num_blocks or block_size below 1.
     """
 
     def __init__(self, config: HybridConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", mtp: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        n_attention = config.hybrid_override_pattern.count(ATTENTION)
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attention)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_attention)]
+
+        def pools(pattern: str) -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(pattern.count(ATTENTION))]
+
+        self.k, self.v = pools(config.hybrid_override_pattern), pools(config.hybrid_override_pattern)
+        self.mtp_k, self.mtp_v = (pools(config.mtp_pattern), pools(config.mtp_pattern)) if mtp else ([], [])
         self.refcount = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU first
         self._name_of: dict[int, BlockName] = {}  # block -> the prefix its contents hold
@@ -72,7 +77,7 @@ class BlockPool:
 
     def nbytes(self) -> int:
         """Bytes of the whole pool (allocated at start)."""
-        return sum(t.nelement() * t.element_size() for t in self.k + self.v)
+        return sum(t.nelement() * t.element_size() for t in self.k + self.v + self.mtp_k + self.mtp_v)
 
     # ------------------------------------------------------------------------------------------ allocation
     def allocate(self) -> int:
@@ -102,6 +107,16 @@ class BlockPool:
         if self.refcount[block] == 0:
             del self._free[block]
         self.refcount[block] += 1
+
+    def shared(self, block: int) -> bool:
+        """Whether writing into `block` could change what another sequence or the prefix cache reads: it is held
+        more than once or named by a prefix hash."""
+        return self.refcount[block] > 1 or block in self._name_of
+
+    def copy(self, src: int, dst: int) -> None:
+        """Copy block `src`'s keys and values (every layer, the MTP block's too) into block `dst`."""
+        for pool in self.k + self.v + self.mtp_k + self.mtp_v:
+            pool[dst].copy_(pool[src])
 
     def release(self, blocks: list[int]) -> None:
         """Drop one holder of each block, last block first; blocks left with none become free (their
@@ -165,7 +180,7 @@ class GrowingBlockPool(BlockPool):
         before any cached one)."""
         if num_blocks <= self.num_blocks:
             return
-        for pools in (self.k, self.v):
+        for pools in (self.k, self.v, self.mtp_k, self.mtp_v):
             for j, t in enumerate(pools):
                 new = t.new_zeros(num_blocks, *t.shape[1:])
                 new[: self.num_blocks] = t

@@ -37,6 +37,7 @@ from hybrid.serving.prefix import DEFAULT_MAX_BYTES, DEFAULT_SNAPSHOT_INTERVAL, 
 from hybrid.serving.request import Request, RequestOutput, Status, TokenLogprobs
 from hybrid.serving.scheduler import Scheduler
 from hybrid.serving.slots import StateSlots
+from hybrid.serving.speculation import Computed, MTPDrafter, SpeculativeStats, accept
 
 DEFAULT_NUM_BLOCKS = 2048
 DEFAULT_MAX_NUM_SEQS = 16
@@ -94,16 +95,20 @@ class Engine:
         grow: the KV pool is a `GrowingBlockPool` (it grows, at least doubling, when it runs out, instead of
             preempting) and requests have no length limit: for one user's generation calls (`generate_ids`,
             `hybrid.prefix_cache.PrefixCache`), not a server.
+        num_speculative_tokens: draft up to this many tokens per request and step with the model's MTP block
+            and verify them in the next step (`hybrid.serving.speculation`; 0: off). Greedy requests give the
+            tokens of plain decoding, sampled ones the same distribution; `speculative_stats` counts drafts.
     Raises:
         ValueError: a size that is not an integer >= 1 (named), max_model_len past what the pool holds or
-            below 2, or a snapshot_interval that is not a multiple of block_size.
+            below 2, a snapshot_interval that is not a multiple of block_size, num_speculative_tokens below 0,
+            or speculative decoding with a model it cannot draft for (`MTPDrafter`).
     """
 
     def __init__(self, model: HybridForCausalLM, num_blocks: int = DEFAULT_NUM_BLOCKS,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len: int | None = None,
                  prefix_caching: bool = False, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL,
-                 prefix_cache_bytes: int = DEFAULT_MAX_BYTES, grow: bool = False):
+                 prefix_cache_bytes: int = DEFAULT_MAX_BYTES, grow: bool = False, num_speculative_tokens: int = 0):
         self.model = model
         config = model.cache_config  # a rank's KV heads and Mamba state under tensor parallelism
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
@@ -114,8 +119,11 @@ class Engine:
         if not (isinstance(prefix_cache_bytes, numbers.Integral) and not isinstance(prefix_cache_bytes, bool)
                 and prefix_cache_bytes >= 0):
             raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r:.80}")
+        if not (isinstance(num_speculative_tokens, numbers.Integral) and not isinstance(num_speculative_tokens, bool)
+                and num_speculative_tokens >= 0):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {num_speculative_tokens!r:.80}")
         self.blocks = (GrowingBlockPool if grow else BlockPool)(config, num_blocks, block_size, model.dtype,
-                                                                 model.device)
+                                                                 model.device, mtp=num_speculative_tokens > 0)
         self.slots = StateSlots(config, max_num_seqs, model.dtype, model.device)
         pool_tokens = num_blocks * block_size
         self.max_model_len = (None if grow else pool_tokens) if max_model_len is None else max_model_len
@@ -126,6 +134,8 @@ class Engine:
             if prefix_caching else None
         self.scheduler = Scheduler(self.blocks, self.slots, max_num_seqs, max_num_batched_tokens, self.prefix)
         self.cache = PagedCache(config, self.blocks, self.slots)
+        self.drafter = MTPDrafter(model, self.blocks, self.slots, num_speculative_tokens) \
+            if num_speculative_tokens else None
         self.requests: dict[str, Request] = {}
         self.last_step = StepStats()
         self._arrivals = itertools.count()
@@ -211,7 +221,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------ one step
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one forward over the scheduled sequences; the new token of each request that produced one
+        """Run one forward over the scheduled sequences; the new tokens of each request that produced some
         (and the requests that finished, with why; aborted ones since the last step first)."""
         outputs, self._aborted = self._aborted, []
         scheduled = self.scheduler.schedule()
@@ -221,46 +231,160 @@ class Engine:
         if not scheduled and not ready:
             self.last_step = StepStats()
             return outputs
-        ends: list[tuple[Request, torch.Tensor]] = []
+        for r, n in scheduled:  # a token budget that cut a verification short verifies fewer drafts
+            if r.draft_ids and n < 1 + len(r.draft_ids):
+                del r.draft_ids[n - 1:], r.draft_probs[n - 1:]
+        # each request that samples, with the hidden states [m, H] it samples from (its last position, or its
+        # last token and each draft) and its row in the packed forward (None: held whole by the prefix cache)
+        ends: list[tuple[Request, torch.Tensor, int | None]] = []
+        hidden = last_hidden = None
         if scheduled:
-            self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n) for r, n in scheduled])
-            ids = [t for r, n in scheduled for t in r.all_ids[r.num_computed:r.num_computed + n]]
+            self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n, bool(r.draft_ids))
+                                 for r, n in scheduled])
+            ids = [t for r, n in scheduled for t in r.step_ids(n)]
             hidden = self.model.hidden_states(torch.tensor([ids], device=self.model.device), self.cache)[0]
             if len(ids) == len(scheduled):  # a decode step: every row is a sequence's last
                 last_hidden = hidden
             else:
                 last = torch.tensor(list(itertools.accumulate(n for _, n in scheduled)), device=hidden.device) - 1
                 last_hidden = hidden[last]
+            start = 0
             for row, (r, n) in enumerate(scheduled):
-                r.num_computed += n
-                if r.num_computed == r.num_tokens:
-                    ends.append((r, last_hidden[row]))
-            if self.prefix is not None:
-                self.prefix.after_step(scheduled, self.cache, last_hidden)
+                if r.draft_ids:
+                    ends.append((r, hidden[start:start + n], row))
+                elif r.num_computed + n == r.num_tokens:
+                    ends.append((r, last_hidden[row][None], row))
+                r.num_computed += n  # a verification's rejected drafts are taken back by `_accept`
+                start += n
+        for r in ready:
+            ends.append((r, r.resume_hidden[None], None))
+            r.resume_hidden = None
+        new_tokens, kept = self._sample_ends(ends)
+        for (r, _, row), tokens in zip(ends, new_tokens):
+            if row is not None and r.draft_ids:
+                self._accept(r, row, len(tokens))
+        reasons = self._append(ends, new_tokens)
+        if self.drafter is not None:  # before the prefix cache's snapshots, which keep the MTP block's keys too
+            ending = {id(r) for (r, _, _), reason in zip(ends, reasons) if reason is not None}
+            self.drafter.propose(self._computed(scheduled, hidden, kept, ends, ending), self._draft_budget,
+                                 self.scheduler.reserve_positions)
+        if scheduled and self.prefix is not None:
+            self.prefix.after_step([(r, kept.get(id(r), n)) for r, n in scheduled], self.cache, last_hidden)
+        for r, _ in scheduled:
+            r.resume_hidden = None  # a partial prefix hit's: the drafter's (`_computed`)
         self.last_step = StepStats(len(scheduled), sum(n for _, n in scheduled),
                                    sum(n for r, n in scheduled if r.output_ids and n == 1))
-        for r in ready:
-            ends.append((r, r.resume_hidden))
-            r.resume_hidden = None
+        return outputs + self._finish(ends, new_tokens, reasons)
+
+    def _sample_ends(self, ends) -> tuple[list[list[tuple[int, torch.Tensor]]], dict[int, int]]:
+        """Each end's new tokens with the logits row of each (`_sample` for one position; `accept` for a
+        verification), and the positions each verifying request keeps (by `id`: its accepted drafts and its
+        last token)."""
         if not ends:
-            return outputs
-        logits = self.model.logits(torch.stack([h for _, h in ends]))
-        tokens = self._sample(logits, [r for r, _ in ends])
-        logprobs = token_logprobs(logits, tokens, [r.sampling.logprobs for r, _ in ends])
+            return [], {}
+        logits = self.model.logits(torch.cat([h for _, h, _ in ends]))
+        firsts = list(itertools.accumulate([0] + [len(h) for _, h, _ in ends]))[:-1]
+        plain = [j for j, (_, h, _) in enumerate(ends) if len(h) == 1]
+        out: list[list[tuple[int, torch.Tensor]]] = [[] for _ in ends]
+        if plain:
+            rows = [firsts[j] for j in plain]
+            picked = logits if len(rows) == len(logits) else logits[rows]
+            for j, token, row in zip(plain, self._sample(picked, [ends[j][0] for j in plain]), rows):
+                out[j] = [(token, logits[row])]
+        kept: dict[int, int] = {}
+        for j, (r, h, _) in enumerate(ends):
+            if len(h) > 1:
+                p = logits[firsts[j]:firsts[j] + len(h)]
+                a, extra = accept(p, r.draft_ids, r.draft_probs, r.sampling)
+                out[j] = [(t, p[i]) for i, t in enumerate(r.draft_ids[:a] + [extra])]
+                kept[id(r)] = a + 1
+                r.num_drafted, r.num_accepted = r.num_drafted + len(r.draft_ids), r.num_accepted + a
+                self.drafter.stats.add(len(r.draft_ids), a)
+        return out, kept
+
+    def _accept(self, r: Request, row: int, num_tokens: int) -> None:
+        """Keep the verifying request `r`'s last token and its first `num_tokens - 1` drafts (row `row` of the
+        step): its Mamba states return to just after them, its computed positions end there."""
+        self.cache.accept(row, num_tokens)
+        r.num_computed -= len(r.draft_ids) + 1 - num_tokens
+        r.draft_ids, r.draft_probs = [], []
+
+    def _computed(self, scheduled, hidden, kept, ends, ending: set[int]) -> list[Computed]:
+        """The positions the main model computed and kept this step, per request that drafts and is not
+        `ending` (by `id`): the drafter's input. A request resumed from the prefix cache also reruns the MTP block at its resume point's last
+        position, from the hidden state kept there (the block's keys there were made with the token that
+        followed in the request that filled them): in a block of its own (`_own_position`), else not at all
+        (and a request the prefix cache held whole then drafts nothing this step)."""
+        def wanted(r: Request) -> bool:
+            return id(r) not in ending and self.drafter.drafts(r)
+
+        computed, start = [], 0
+        for r, n in scheduled:
+            m = kept.get(id(r), n)
+            if wanted(r):
+                past, rows = r.num_computed - m, hidden[start:start + m]
+                if r.resume_hidden is not None and self._own_position(r, past - 1):
+                    past, rows = past - 1, torch.cat([r.resume_hidden[None], rows])
+                computed.append(Computed(r, past, rows))
+            start += n
+        return computed + [Computed(r, r.num_computed - 1, h) for r, h, row in ends
+                           if row is None and wanted(r) and self._own_position(r, r.num_computed - 1)]
+
+    def _own_position(self, r: Request, position: int) -> bool:
+        """Whether `r` may write its MTP keys at `position`: the block holding it is its own, or is made so (a
+        copy in a free block replaces a block it shares: copy on write)."""
+        j = position // self.blocks.block_size
+        return not self.blocks.shared(r.block_table[j]) or self.scheduler.own_block(r, j)
+
+    def _append(self, ends, new_tokens) -> list[str | None]:
+        """Append each end's new tokens to its request up to a stop id or its length limit (the tokens past
+        them dropped from `new_tokens`); why each request ends, or None."""
+        reasons = []
+        for (r, _, _), tokens in zip(ends, new_tokens):
+            reason = None
+            for i, (token, _) in enumerate(tokens):
+                r.output_ids.append(token)
+                at_limit = self.max_model_len is not None and r.num_tokens >= self.max_model_len
+                reason = "stop" if token in r.stop_ids else "length" if len(r.output_ids) >= r.max_tokens or at_limit \
+                    else None
+                if reason is not None:
+                    del tokens[i + 1:]
+                    break
+            reasons.append(reason)
+        return reasons
+
+    def _finish(self, ends, new_tokens, reasons) -> list[RequestOutput]:
+        """Finish the requests that ended; each end's `RequestOutput` (its log-probabilities when asked)."""
+        outputs = []
         now = time.perf_counter()
-        for (r, _), token, lp in zip(ends, tokens, logprobs):
-            r.output_ids.append(token)
+        for (r, _, _), tokens, reason in zip(ends, new_tokens, reasons):
+            if reason is not None:
+                self.scheduler.finish(r, reason)
+            logprobs = token_logprobs(torch.stack([row for _, row in tokens]), [t for t, _ in tokens],
+                                      [r.sampling.logprobs] * len(tokens)) if r.sampling.logprobs is not None else None
             times = self._times[r.request_id]
             if math.isnan(times[1]):
                 times[1] = now
             times[2] = now
-            at_limit = self.max_model_len is not None and r.num_tokens >= self.max_model_len
-            reason = "stop" if token in r.stop_ids else "length" if len(r.output_ids) >= r.max_tokens or at_limit else None
-            if reason is not None:
-                self.scheduler.finish(r, reason)
-            outputs.append(RequestOutput(r.request_id, [token], reason is not None, reason, r.num_cached_tokens,
-                                         None if lp is None else [lp]))
+            outputs.append(RequestOutput(r.request_id, [t for t, _ in tokens], reason is not None, reason,
+                                         r.num_cached_tokens, logprobs))
         return outputs
+
+    def _draft_budget(self, r: Request) -> int:
+        """How many tokens request `r` may draft for its next step: none unless it decodes next; at most
+        `num_speculative_tokens`, and no more than its `max_tokens` and the engine's `max_model_len` leave
+        room for beside the token the verification itself adds."""
+        if r.status is not Status.RUNNING or r.num_computed != r.num_tokens - 1 or not r.output_ids:
+            return 0
+        n = min(self.drafter.num_speculative_tokens, r.max_tokens - len(r.output_ids) - 1)
+        if self.max_model_len is not None:
+            n = min(n, self.max_model_len - r.num_tokens - 1)
+        return max(n, 0)
+
+    @property
+    def speculative_stats(self) -> SpeculativeStats | None:
+        """Drafted and accepted tokens so far (None without speculative decoding)."""
+        return None if self.drafter is None else self.drafter.stats
 
     # ------------------------------------------------------------------------------------------ prefix cache file
     def save_prefix_cache(self, path) -> None:
@@ -310,8 +434,9 @@ class Engine:
                  on_tokens: Callable[[list[int | None]], None] | None = None) -> list[Completion]:
         """Run `prompts` (token id lists) to completion together; one `Completion` per prompt, in order
         (text empty). `sampling`: one for all (each request then draws from its own generator started at
-        its seed, as a server's per-request seed) or one per prompt. `on_tokens` is called after each step
-        that produced tokens, with each prompt's new token (None for the others). Every prompt is checked
+        its seed, as a server's per-request seed) or one per prompt. `on_tokens` is called for each token a
+        step produced, with each prompt's new token (None for the others; a step that verified drafts calls
+        it once per accepted token). Every prompt is checked
         before any is queued (errors name `prompts[i]`). Outputs of requests added by other callers are
         consumed by these steps: mix the two only through `step`.
 
@@ -329,12 +454,9 @@ class Engine:
         try:
             while any(self.requests[i].status is not Status.FINISHED for i in ids):
                 outputs = self.step()
-                if on_tokens is not None and outputs:
-                    tokens: list[int | None] = [None] * len(ids)
-                    for out in outputs:
-                        if out.request_id in row_of:
-                            tokens[row_of[out.request_id]] = out.new_token_ids[0]
-                    on_tokens(tokens)
+                new = {row_of[out.request_id]: out.new_token_ids for out in outputs if out.request_id in row_of}
+                for i in range(max(map(len, new.values()), default=0) if on_tokens is not None else 0):
+                    on_tokens([new[row][i] if row in new and i < len(new[row]) else None for row in range(len(ids))])
             return [self.completion(i) for i in ids]
         finally:
             for i in ids:
@@ -342,7 +464,8 @@ class Engine:
                 self.release(i)
 
     def completion(self, request_id: str) -> Completion:
-        """The `Completion` of a finished request (prefill time: from its arrival to its first token).
+        """The `Completion` of a finished request (prefill time: from its arrival to its first token; with
+        speculative decoding, the share of its drafts accepted).
 
         Raises:
             ValueError: an unknown request id, or a request that has not finished.
@@ -353,8 +476,9 @@ class Engine:
         if r.status is not Status.FINISHED:
             raise ValueError(f"request {request_id!r} has not finished")
         added, first, last = self._times[request_id]
+        rate = None if self.drafter is None else r.num_accepted / r.num_drafted if r.num_drafted else 0.0
         return Completion(list(r.output_ids), r.finish_reason or "length", len(r.prompt_ids), first - added, last - first,
-                          cached_tokens=r.num_cached_tokens)
+                          acceptance_rate=rate, cached_tokens=r.num_cached_tokens)
 
     def release(self, request_id: str) -> None:
         """Forget a finished request (a server calls this once it has sent the result).

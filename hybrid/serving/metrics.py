@@ -77,6 +77,13 @@ def exposition(runner) -> str:
     metric("prefix_cache_blocks", "gauge", e.blocks.num_cached() if prefix else 0,
            "KV blocks named by a cached prefix, held by requests or free (free ones are handed out last)")
     metric("preemptions_total", "counter", e.scheduler.num_preemptions, "requests preempted for KV blocks")
+    spec = e.speculative_stats
+    if spec is not None:  # vLLM's spec_decode counters under this prefix
+        metric("spec_decode_num_drafts_total", "counter", spec.rounds, "verifications of drafted tokens")
+        metric("spec_decode_num_draft_tokens_total", "counter", spec.drafted, "tokens drafted and verified")
+        metric("spec_decode_num_accepted_tokens_total", "counter", spec.accepted, "drafted tokens accepted")
+        metric("spec_decode_acceptance_rate", "gauge", f"{spec.acceptance_rate:.4f}",
+               "accepted / drafted tokens since the server started")
     metric("generation_tokens_total", "counter", runner.generated_tokens, "tokens generated")
     elapsed = max(time.monotonic() - runner.started, 1e-9)
     metric("generation_tokens_per_second", "gauge", f"{runner.generated_tokens / elapsed:.3f}",

@@ -9,7 +9,12 @@ table, state slot, positions already computed and new tokens); the model's forwa
   `attend_decode` stores one new token of each of several sequences and attends them over their rows in
   place (the CPU kernel's paged entry, no gathered copy);
 - Mamba: a batch-1 `MambaState` of views of the sequence's slot, updated in place; `rows(seqs)` gives the
-  pools and the slots of several sequences, whose decode tokens then run in one step.
+  pools and the slots of several sequences, whose decode tokens then run in one step; `keep(t, seqs)` copies
+  the states of verifying sequences after their token `t` (speculative decoding), so that `accept` can
+  return a sequence to the state after its last accepted token.
+
+The MTP block's cache (`mtp=True`) is a `PagedCache` over the block pool's MTP keys and values, addressed by
+the same block tables (position p of a sequence holds the MTP block's keys of hidden state p and token p+1).
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ from hybrid.serving.slots import StateSlots
 @dataclass
 class ScheduledSeq:
     """One sequence of a step: its block table (covering `past + num_tokens` positions), its state slot,
-    the positions already computed and the new tokens of this step."""
+    the positions already computed and the new tokens of this step; `verify`: the tokens are its last token
+    and draft tokens, whose Mamba states are kept for `PagedCache.accept`."""
 
     block_table: list[int]
     slot: int
     past: int
     num_tokens: int
+    verify: bool = False
 
 
 class _SeqKV:
@@ -53,22 +60,23 @@ class _SeqKV:
 
 
 class _KVLayer:
-    def __init__(self, cache: "PagedCache", j: int):
-        self.cache, self.j = cache, j
+    def __init__(self, cache: "PagedCache", k: list[torch.Tensor], v: list[torch.Tensor], j: int):
+        self.cache, self.k, self.v, self.j = cache, k, v, j  # the pool's lists (a growing pool swaps their tensors)
+
+    def _pools(self) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.k[self.j], self.v[self.j]
+        flat = (-1, k.shape[2], k.shape[3])
+        return k.view(flat), v.view(flat)
 
     def seq(self, s: int) -> _SeqKV:
-        blocks = self.cache.blocks
-        flat = (-1, blocks.k[self.j].shape[2], blocks.k[self.j].shape[3])
-        return _SeqKV(blocks.k[self.j].view(flat), blocks.v[self.j].view(flat), self.cache.position_index(s))
+        return _SeqKV(*self._pools(), self.cache.position_index(s))
 
     def attend_decode(self, seqs: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ext) -> torch.Tensor:
         """One new token of each sequence `seqs` (each scheduled with one token): store its key and value
         k / v [n, nkv, hd] at its position and attend its query q [n, nq, hd] over all of its positions'
         rows in the pool, through `ext.paged_decode_attention` (`hybrid.ops.cpu.attention_module`: the rows
         read in place, no gathered copy) -> [n, nq, hd] fp32."""
-        blocks = self.cache.blocks
-        flat = (-1, blocks.k[self.j].shape[2], blocks.k[self.j].shape[3])
-        k_pool, v_pool = blocks.k[self.j].view(flat), blocks.v[self.j].view(flat)
+        k_pool, v_pool = self._pools()
         rows, new = self.cache.decode_rows(seqs)
         k_pool.index_copy_(0, new, k.to(k_pool.dtype))
         v_pool.index_copy_(0, new, v.to(v_pool.dtype))
@@ -88,6 +96,12 @@ class _MambaLayer:
         slots = self.cache.slots
         return slots.conv[self.j], slots.ssm[self.j], self.cache.slot_index(seqs)
 
+    def keep(self, t: int, seqs: list[int]) -> None:
+        """Keep copies of the states of verifying sequences `seqs`, each just after its token `t` of this step
+        (`PagedCache.accept` returns to them)."""
+        conv, ssm, index = self.rows(seqs)
+        self.cache.kept[(self.j, t)] = (list(seqs), conv.index_select(0, index), ssm.index_select(0, index))
+
 
 class PagedCache(Cache):
     """The state of the sequences of one packed forward, in the pools `blocks` and `slots` (see the module
@@ -95,18 +109,21 @@ class PagedCache(Cache):
     sequences, by index.
     """
 
-    def __init__(self, config: HybridConfig, blocks: BlockPool, slots: StateSlots):
+    def __init__(self, config: HybridConfig, blocks: BlockPool, slots: StateSlots, mtp: bool = False):
         self.blocks, self.slots = blocks, slots
         self.batch_size, self.seq_len, self.key_mask = 1, 0, None
         self.seqs: list[ScheduledSeq] = []
         self.packed: PackedSeqs | None = None
         self._per_step: dict[tuple, object] = {}  # what the layers of this step ask alike, made once
+        # (Mamba layer, token) -> (sequences, their conv and ssm states after that token): `keep`, `accept`
+        self.kept: dict[tuple[int, int], tuple[list[int], torch.Tensor, torch.Tensor]] = {}
         self._offsets = torch.arange(blocks.block_size, device=blocks.k[0].device if blocks.k else "cpu")
         self._layers = []
+        k, v = (blocks.mtp_k, blocks.mtp_v) if mtp else (blocks.k, blocks.v)
         n_kv = n_mamba = 0
-        for kind in config.hybrid_override_pattern:
+        for kind in config.mtp_pattern if mtp else config.hybrid_override_pattern:
             if kind == ATTENTION:
-                self._layers.append(_KVLayer(self, n_kv))
+                self._layers.append(_KVLayer(self, k, v, n_kv))
                 n_kv += 1
             elif kind == MAMBA:
                 self._layers.append(_MambaLayer(self, n_mamba))
@@ -127,10 +144,31 @@ class PagedCache(Cache):
             if s.num_tokens < 1 or len(s.block_table) * bs < s.past + s.num_tokens:
                 raise ValueError(f"sequence {i}: {len(s.block_table)} blocks of {bs} do not hold "
                                  f"{s.past} + {s.num_tokens} positions")
-        self.seqs, self._per_step = list(seqs), {}
+        self.seqs, self._per_step, self.kept = list(seqs), {}, {}
         self.seq_len = sum(s.num_tokens for s in seqs)
-        self.packed = PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs])
+        self.packed = PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs],
+                                 frozenset(i for i, s in enumerate(seqs) if s.verify))
         return self.packed
+
+    def accept(self, row: int, num_tokens: int) -> None:
+        """Return verifying sequence `row` to its Mamba states after its first `num_tokens` tokens of the last
+        forward (the states `keep` copied); its keys and values past them are simply never read (the next
+        forward overwrites them).
+
+        Raises:
+            ValueError: `row` did not verify, or num_tokens is not in [1, its tokens].
+        """
+        seq = self.seqs[row]
+        if not seq.verify or not 1 <= num_tokens <= seq.num_tokens:
+            raise ValueError(f"sequence {row} ({seq.num_tokens} tokens, verify={seq.verify}) cannot accept "
+                             f"{num_tokens} tokens")
+        if num_tokens == seq.num_tokens:  # every token kept: the slot holds its state already
+            return
+        for j, (conv, ssm) in enumerate(zip(self.slots.conv, self.slots.ssm)):
+            seqs, kept_conv, kept_ssm = self.kept[(j, num_tokens - 1)]
+            i = seqs.index(row)
+            conv[seq.slot].copy_(kept_conv[i])
+            ssm[seq.slot].copy_(kept_ssm[i])
 
     def position_index(self, s: int) -> torch.Tensor:
         """Flat pool indices (block * block_size + offset) of sequence `s`'s positions [0, past + new)."""
@@ -181,26 +219,15 @@ class PagedCache(Cache):
         raise ValueError("a paged step is never recorded, so it cannot be rolled back")
 
     def snapshot_kv(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`Cache.snapshot_kv`; the MTP block's layers after the main stack's when the pool holds them."""
         seq = self.seqs[row]
         if not 0 <= start <= end <= seq.past + seq.num_tokens:
             raise ValueError(f"positions [{start}, {end}) are not within the {seq.past + seq.num_tokens} of sequence {row}")
         index = self.position_index(row)[start:end]
         return [(k.flatten(0, 1)[index].transpose(0, 1).clone(), v.flatten(0, 1)[index].transpose(0, 1).clone())
-                for k, v in zip(self.blocks.k, self.blocks.v)]
+                for k, v in zip(self.blocks.k + self.blocks.mtp_k, self.blocks.v + self.blocks.mtp_v)]
 
     def snapshot_mamba(self, row: int, out: list[tuple[torch.Tensor, torch.Tensor]] | None = None
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`Cache.snapshot_mamba`, written into `out` (a dropped snapshot's states: `StateSlots.read`) when given."""
         return self.slots.read(self.seqs[row].slot, out)
-
-    def restore(self, row: int, length: int, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                mamba: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Write `kv` (per attention layer, [nkv, n, hd] for positions [length - n, length)) into row `row`'s
-        blocks and its Mamba states into its slot."""
-        if len(kv) != len(self.blocks.k):
-            raise ValueError(f"{len(kv)} attention layers' keys for {len(self.blocks.k)} attention layers")
-        for k_pool, v_pool, (k, v) in zip(self.blocks.k, self.blocks.v, kv):
-            index = self.position_index(row)[length - k.shape[1]:length]
-            k_pool.flatten(0, 1).index_copy_(0, index, k.transpose(0, 1))
-            v_pool.flatten(0, 1).index_copy_(0, index, v.transpose(0, 1))
-        self.slots.write(self.seqs[row].slot, mamba)

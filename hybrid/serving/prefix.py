@@ -167,8 +167,9 @@ class PrefixCaching:
         """Find `request`'s longest usable snapshot; hold its full blocks (as the request's first blocks) and
         set `num_computed` to its length. The states are written by `restore_state` once the request has a
         slot and its next blocks. The scheduler undoes this (`forget`, releasing the blocks) if it cannot
-        admit the request. A hit on the whole prompt leaves nothing to compute: `restore_state` hands the
-        kept hidden state to the request (`Request.resume_hidden`) for its first token."""
+        admit the request. `restore_state` hands the kept hidden state of the snapshot's last token to the
+        request (`Request.resume_hidden`): a hit on the whole prompt leaves nothing to compute, its first token
+        comes from it."""
         request.num_cached_tokens = 0
         prompt = request.prompt_ids
         hit = self.lookup(prompt, self.digests(request, len(prompt) // self.blocks.block_size))
@@ -191,12 +192,14 @@ class PrefixCaching:
             return
         self.hits += 1
         self.cached_tokens += snapshot.length
-        if request.num_computed == request.num_tokens:  # the whole prompt (and no output yet): nothing to run
-            request.resume_hidden = snapshot.last_hidden
+        # the whole prompt (and no output yet): nothing to run, the first token comes from the kept hidden
+        # state; a drafting engine also reruns the MTP block's last cached position with it
+        request.resume_hidden = snapshot.last_hidden
         slots.write(request.slot, snapshot.mamba)
-        if snapshot.tail:
+        if snapshot.tail:  # the MTP block's keys too, when the snapshot holds them (not when loaded from a file)
             block = request.block_table[snapshot.length // self.blocks.block_size]
-            for k_pool, v_pool, (k, v) in zip(self.blocks.k, self.blocks.v, snapshot.tail_kv):
+            for k_pool, v_pool, (k, v) in zip(self.blocks.k + self.blocks.mtp_k, self.blocks.v + self.blocks.mtp_v,
+                                              snapshot.tail_kv):
                 k_pool[block, :len(snapshot.tail)] = k.transpose(0, 1)
                 v_pool[block, :len(snapshot.tail)] = v.transpose(0, 1)
 

@@ -67,7 +67,7 @@ def save(prefix: PrefixCaching, path: str | Path) -> None:
         for j, (conv, ssm) in enumerate(snapshot.mamba):
             tensors[f"snapshot.{i}.mamba.{j}.conv"], tensors[f"snapshot.{i}.mamba.{j}.ssm"] = conv.contiguous(), ssm.contiguous()
         if snapshot.tail:
-            for j, (k, v) in enumerate(snapshot.tail_kv):
+            for j, (k, v) in enumerate(snapshot.tail_kv[:len(blocks.k)]):  # the main stack's (not the MTP block's)
                 tensors[f"snapshot.{i}.kv.{j}.k"], tensors[f"snapshot.{i}.kv.{j}.v"] = k.contiguous(), v.contiguous()
         if snapshot.last_hidden is not None:
             tensors[f"snapshot.{i}.hidden"] = snapshot.last_hidden.contiguous()

@@ -46,6 +46,12 @@ class Request:
     resume_hidden: torch.Tensor | None = field(default=None, repr=False)
     # a penalized request's token statistics (`hybrid.sampling.PenaltyState`), made at its first sampled token
     penalties: PenaltyState | None = field(default=None, repr=False)
+    # speculative decoding: the draft tokens its next step verifies after its last token, and, when it
+    # samples, the distribution each was drawn from (`hybrid.serving.speculation`)
+    draft_ids: list[int] = field(default_factory=list)
+    draft_probs: list[torch.Tensor] = field(default_factory=list, repr=False)
+    num_drafted: int = 0  # drafts verified so far, and how many of them were accepted
+    num_accepted: int = 0
 
     @property
     def all_ids(self) -> list[int]:
@@ -54,6 +60,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def step_ids(self, n: int) -> list[int]:
+        """The `n` token ids its next forward computes: from its first uncomputed position on, its drafts
+        after its tokens."""
+        start, prompt = self.num_computed, len(self.prompt_ids)
+        if start + n <= prompt:
+            return self.prompt_ids[start:start + n]
+        return (self.prompt_ids[start:] + self.output_ids[max(start - prompt, 0):] + self.draft_ids)[:n]
 
 
 @dataclass
@@ -68,7 +82,8 @@ class TokenLogprobs:
 
 @dataclass
 class RequestOutput:
-    """What one engine step produced for one request: its new tokens (none or one per step) and, once it
+    """What one engine step produced for one request: its new tokens (none or one per step; with speculative
+    decoding up to one more than the drafts it verified) and, once it
     finished, why ("stop": a stop id, included in `new_token_ids`; "length": max_tokens or the model length;
     "abort": cancelled). `logprobs`: one `TokenLogprobs` per new token when the request's sampling asked for
     them (`SamplingParams.logprobs`), else None."""

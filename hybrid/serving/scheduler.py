@@ -81,7 +81,7 @@ class Scheduler:
                 continue
             scheduled.append((request, n))
             budget -= n
-            if n == 1 and request.num_computed >= len(request.prompt_ids):
+            if n == 1 + len(request.draft_ids) and request.num_computed >= len(request.prompt_ids):
                 decodes += 1
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and self.slots.num_free:
@@ -110,7 +110,7 @@ class Scheduler:
         """Tokens `request` computes next: what is left of its tokens, within the budget and, while it
         prefills with prefix caching, up to the next snapshot boundary; past the budget by up to `slack`
         tokens when that reaches the end of this stretch (see the module docstring)."""
-        stretch = request.num_tokens - request.num_computed
+        stretch = request.num_tokens - request.num_computed + len(request.draft_ids)
         if self.prefix is not None and request.num_computed < len(request.prompt_ids):
             stretch = min(stretch, self.prefix.next_boundary(request) - request.num_computed)
         return stretch if stretch <= budget + slack else budget
@@ -120,11 +120,25 @@ class Scheduler:
 
     def _room(self, request: Request, n: int) -> bool:
         """Whether the free blocks hold `n` more tokens of `request` (growing the pool first if it grows)."""
-        needed = self._blocks_needed(request, n)
+        return self._free_blocks(self._blocks_needed(request, n))
+
+    def _free_blocks(self, needed: int) -> bool:
+        """Whether `needed` blocks are free (growing the pool first if it grows)."""
         if self.blocks.grows:  # cached prefixes' blocks are kept while the prefix cache is within its budget
             keep = self.blocks.num_free_cached() if self.prefix is not None and self.prefix.within_budget() else 0
             self.blocks.make_room(needed, keep)
         return needed <= self.blocks.num_free
+
+    def own_block(self, request: Request, j: int) -> bool:
+        """Replace block `j` of `request`'s table, which it shares, by a copy of its own (copy on write) if a free
+        block holds it; never preempts. Whether it was replaced."""
+        if not self._free_blocks(1):
+            return False
+        old, new = request.block_table[j], self.blocks.allocate()
+        self.blocks.copy(old, new)
+        self.blocks.release([old])
+        request.block_table[j] = new
+        return True
 
     def _allocate(self, request: Request, n: int) -> None:
         for _ in range(self._blocks_needed(request, n)):
@@ -160,8 +174,18 @@ class Scheduler:
         self._release(request)
         request.status, request.finish_reason = Status.FINISHED, reason
 
+    def reserve_positions(self, request: Request, num_positions: int) -> bool:
+        """Give the running `request` blocks for its first `num_positions` positions if free ones hold them (a
+        growing pool grows); never preempts. Whether it holds them now (speculative drafting asks ahead)."""
+        n = num_positions - request.num_computed
+        if not self._room(request, n):
+            return False
+        self._allocate(request, n)
+        return True
+
     def _release(self, request: Request) -> None:
         self.blocks.release(request.block_table)
+        request.draft_ids, request.draft_probs = [], []
         request.block_table, request.num_computed = [], 0
         if request.slot is not None:
             self.slots.release(request.slot)

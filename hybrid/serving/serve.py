@@ -30,12 +30,14 @@ class Sizes:
         return (f"capacity: {self.max_num_seqs} state slots of {state / 2**20:.1f} MiB, {self.num_blocks} KV blocks of "
                 f"{engine.blocks.block_size} tokens ({tokens:,} tokens, {engine.blocks.nbytes() / 2**20:.1f} MiB); "
                 f"max_model_len {self.max_model_len:,}; steps of {engine.scheduler.max_num_batched_tokens} tokens"
-                + ("" if engine.prefix is None else f", prefix snapshots every {engine.prefix.snapshot_interval} tokens"))
+                + ("" if engine.prefix is None else f", prefix snapshots every {engine.prefix.snapshot_interval} tokens")
+                + ("" if engine.drafter is None else f", {engine.drafter.num_speculative_tokens} MTP drafts a step"))
 
 
 def size_pools(model, memory: int | None, max_num_seqs: int, max_model_len: int | None,
-               block_size: int = DEFAULT_BLOCK_SIZE) -> Sizes:
-    """The pools' sizes for `model` within `memory` bytes (or the defaults).
+               block_size: int = DEFAULT_BLOCK_SIZE, mtp: bool = False) -> Sizes:
+    """The pools' sizes for `model` within `memory` bytes (or the defaults); `mtp`: the KV blocks also hold the
+    MTP block's keys and values (speculative decoding).
 
     Raises:
         ValueError: the budget holds no state slot and KV block after the weights, or max_model_len
@@ -50,6 +52,9 @@ def size_pools(model, memory: int | None, max_num_seqs: int, max_model_len: int 
     else:
         report = describe(config, model.dtype, model.quantization)
         state, kv_token = report["mamba_state_bytes_per_sequence"], report["kv_cache_bytes_per_token"]
+        if mtp:  # the MTP block's attention layers are as wide as the main stack's
+            attention = config.hybrid_override_pattern.count("*")
+            kv_token += kv_token * config.mtp_pattern.count("*") // max(attention, 1)
         block = kv_token * block_size
         free = memory - report["weight_bytes"] - DEFAULT_RESERVE
         if free < state + block:
@@ -68,7 +73,7 @@ def size_pools(model, memory: int | None, max_num_seqs: int, max_model_len: int 
 
 def build_engine(model, args, max_num_seqs: int) -> Engine:
     """The engine `hybrid serve` and `hybrid chat` run: pools sized by `args.memory` / `args.max_model_len`,
-    steps of `args.max_num_batched_tokens`, prefix caching unless `--no-prefix-cache` with Mamba snapshots
+    steps of `args.max_num_batched_tokens`, `args.speculative` MTP drafts, prefix caching unless `--no-prefix-cache` with Mamba snapshots
     every `args.prefix_snapshot_interval` prompt tokens, the prefix cache loaded from `args.prefix_cache_file`
     when it exists and matches the model (otherwise a note, and `args.prefix_cache_file` is set to None so
     that the file is left as it was). Prints the capacity.
@@ -76,10 +81,11 @@ def build_engine(model, args, max_num_seqs: int) -> Engine:
     Raises:
         ValueError: see `size_pools`.
     """
-    sizes = size_pools(model, args.memory, max_num_seqs, args.max_model_len)
+    sizes = size_pools(model, args.memory, max_num_seqs, args.max_model_len, mtp=bool(args.speculative))
     engine = Engine(model, num_blocks=sizes.num_blocks, max_num_seqs=sizes.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=sizes.max_model_len,
-                    prefix_caching=args.prefix_cache, snapshot_interval=args.prefix_snapshot_interval)
+                    prefix_caching=args.prefix_cache, snapshot_interval=args.prefix_snapshot_interval,
+                    num_speculative_tokens=args.speculative)
     if args.prefix_cache_file and Path(args.prefix_cache_file).exists():
         try:
             n = engine.load_prefix_cache(args.prefix_cache_file)
