@@ -207,3 +207,50 @@ def test_private_torch_operators_are_listed_in_the_architecture_doc():
            for m in re.finditer(r"torch\.ops\.\w+\._\w+", p.read_text())}
     assert ops, "the seam uses no private operator: the test would check nothing"
     assert not {op for op in ops if f"`{op}`" not in doc}, ops
+
+
+# ------------------------------------------------------------------------------------------ kernel choices
+SEAMS = ("hybrid/ops/", "moe/quant/kernels/")  # where an operation picks its kernel
+KERNEL_QUESTIONS = {"is_cuda", "cpu_for", "triton_for", "cpu_kernels", "gpu_path"}  # asked of a forward's tensors
+KERNEL_MODULES = re.compile(r"^(hybrid\.ops\.cpu|moe\.quant\.kernels\.(cpu|triton|bf16|amx|onednn|build))$")
+# not in a forward: they build the kernels ahead, name what runs on a device, or prepack weights at load
+LOAD_TIME = {"hybrid/cli.py", "hybrid/devices.py", "hybrid/loading.py"}
+# modules that still pick kernels themselves (issue 50: the expert banks', the router's and the prepacked
+# modules' choices are to move into the seams)
+NOT_YET = {"moe/experts.py", "moe/router.py", "moe/prepack.py", "moe/quant/prepacked.py"}
+
+
+def _kernel_lookups(path: Path) -> list[str]:
+    """Where `path` asks which kernel runs (`x.is_cuda`, `kernels.cpu_for(...)`, `backend.cpu_kernels(...)`, ...)
+    or imports a kernel module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        name = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else None
+        if name in KERNEL_QUESTIONS:
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+        if isinstance(node, ast.ImportFrom) and node.module:
+            modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: import {m}" for m in modules if KERNEL_MODULES.match(m)]
+        elif isinstance(node, ast.Import):
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}: import {a.name}" for a in node.names
+                      if KERNEL_MODULES.match(a.name)]
+    return found
+
+
+def test_kernel_choices_live_in_the_seams():
+    """Only `hybrid/ops` and `moe/quant/kernels` ask which kernel runs or import a kernel module: a layer calls
+    an operation, the operation picks its kernel beside its reference (the list of modules not yet moved may only
+    shrink)."""
+    lookups = {p: _kernel_lookups(p) for p in FILES.values()
+               if not str(p.relative_to(ROOT)).startswith(SEAMS) and str(p.relative_to(ROOT)) not in LOAD_TIME}
+    offenders = {str(p.relative_to(ROOT)) for p, found in lookups.items() if found}
+    assert offenders == NOT_YET, {p: f for p, f in lookups.items() if str(p.relative_to(ROOT)) in offenders ^ NOT_YET}
+    assert _kernel_lookups(ROOT / "moe" / "experts.py"), "the scan finds nothing: the test would check nothing"
+
+
+def test_no_layer_probes_its_cache_with_hasattr():
+    """The layers and the model speak one cache-handle protocol: no `hasattr` on what `Cache.layer` gives."""
+    files = sorted((ROOT / "hybrid" / "layers").glob("*.py")) + [ROOT / "hybrid" / "model.py"]
+    probes = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in files for node in ast.walk(ast.parse(p.read_text()))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hasattr"]
+    assert not probes, probes

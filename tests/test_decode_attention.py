@@ -1,4 +1,4 @@
-"""`hybrid.layers.attention.decode_attention` (one query over unmasked keys, the CPU decode path) and its C++
+"""`hybrid.ops.attention.decode_attention` (one query over unmasked keys, the CPU decode path) and its C++
 kernel (`hybrid.ops.cpu.attention_module`: dense and paged rows; its AVX-512 build where the CPU has it and its
 portable build, plain loops, everywhere) against a float64 softmax attention; the kernel's dense and paged
 entries give the same bits; the layer's decode through them against its SDPA path;
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybrid.layers.attention import decode_attention, one_query_attention
+from hybrid.ops.attention import decode_attention, one_query_attention
 from hybrid.ops.cpu import attention_module
 from moe.quant.kernels.build import cpu_flags
 
@@ -116,7 +116,7 @@ def test_an_engine_step_of_decodes_through_the_paged_kernel_equals_the_reference
     """The serving engine (its paged cache offers `attend_decode`) generates the greedy tokens it generates
     with the kernel off (the reference: per-sequence gathers and `decode_attention`), and those of
     `generate_ids` alone (the dense entry of the same kernel)."""
-    import hybrid.layers.attention as attention
+    import hybrid.ops.attention as attention
     from hybrid.cli import DEFAULT_CHECKPOINT
     from hybrid.generate import generate_ids
     from hybrid.loading import load

@@ -148,7 +148,7 @@ BROKEN = {"ssd_scan": ("hybrid.ops", "ssd_scan", _broken_ssd_scan),
           "rms_norm": ("hybrid.ops", "rms_norm", _broken_rms_norm),
           "gated_rms_norm": ("hybrid.ops", "gated_rms_norm", _broken_gated_rms_norm),
           # the CPU's one-query attention with the KV heads of the query groups swapped
-          "attention": ("hybrid.layers.attention", "one_query_attention",
+          "attention": ("hybrid.ops.attention", "one_query_attention",
                         lambda real: lambda q, k, v: real(q, k.flip(1), v.flip(1)))}
 
 

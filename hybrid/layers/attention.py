@@ -2,23 +2,20 @@
 
 Nemotron-H attention applies no RoPE: `rope_theta` in published configs is a leftover and is ignored.
 `q_proj [nq*hd, H]`, `k_proj`/`v_proj [nkv*hd, H]`, `o_proj [H, nq*hd]`, causal softmax attention with scale
-`hd ** -0.5` through `torch.nn.functional.scaled_dot_product_attention` (reference: transformers
-`NemotronHAttention`); one query over unmasked keys on the CPU (a decode step) by `decode_attention`, the
-specification of the C++ kernel that runs it when built (`hybrid.ops.cpu.attention_module`: the keys and
-values read where they lie, a paged cache's pool rows included, never gathered into a copy).
+`hd ** -0.5` (reference: transformers `NemotronHAttention`). The attention itself is an operation of
+`hybrid.ops.attention`, which picks its kernel: a prompt chunk or a dense cache's step through
+`causal_attention`, a packed step's decode tokens over their rows of the paged pool in one
+`paged_decode_attention` call (through the cache handle's `attend_decode`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybrid.cache import KVCache, StepContext
 from hybrid.config import HybridConfig
-from moe.quant.kernels import backend
-
-_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)
+from hybrid.ops import causal_attention
 
 
 def attention_mask(ctx: StepContext, num_tokens: int, device) -> torch.Tensor | None:
@@ -38,43 +35,6 @@ def attention_mask(ctx: StepContext, num_tokens: int, device) -> torch.Tensor | 
         allowed = allowed & ctx.key_mask[:, None, None, :]
         allowed = allowed | (key_pos == query_pos)[None, None]
     return allowed
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query per row over all of its keys: q [b, nq, 1, hd], k / v [b, nkv, S, hd] -> [b, nq, 1, hd]
-    (q's dtype), softmax(q k^T hd^-0.5) v in fp32 with the nq / nkv query heads of a KV head grouped into
-    one matrix product (no repeated keys). Equal to `scaled_dot_product_attention` up to rounding (fp32
-    sums). Why: on the CPU, PyTorch's SDPA of one bf16 query is many times slower than this grouped fp32
-    product, and a many-sequence decode step of the medium preset spent much of its time there
-    (docs/perf-log.md#decode-attention-grouped)."""
-    b, nq, _, hd = q.shape
-    nkv = k.shape[1]
-    scores = q.reshape(b, nkv, nq // nkv, hd).float() @ k.float().transpose(-1, -2) * hd ** -0.5  # [b, nkv, g, S]
-    out = scores.softmax(dim=-1) @ v.float()  # [b, nkv, g, hd]
-    return out.reshape(b, nq, 1, hd).to(q.dtype)
-
-
-def decode_kernel(q: torch.Tensor, k: torch.Tensor):
-    """The CPU decode-attention extension for queries `q` over keys `k` (CPU, both fp32 or both bf16, the
-    head dimension contiguous), or None: `decode_attention` then."""
-    if not backend.cpu_kernels(q) or q.dtype != k.dtype or q.dtype not in (torch.float32, torch.bfloat16) \
-            or k.stride(-1) != 1:
-        return None
-    from hybrid.ops.cpu import attention_module
-
-    return attention_module()
-
-
-def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """`decode_attention` (shapes and result as there), through the C++ kernel when it is built: the same
-    fp32 math with the sums in another order, reading k and v where they lie (no fp32 copies; a paged cache's
-    rows without gathering them): faster than the gather and `decode_attention` in a many-sequence decode step
-    (docs/perf-log.md#decode-attention-in-place)."""
-    ext = decode_kernel(q, k)
-    if ext is None or v.stride(-1) != 1 or v.stride() != k.stride():
-        return decode_attention(q, k, v)
-    b, nq, _, hd = q.shape
-    return ext.decode_attention(q.reshape(b, nq, hd), k, v, hd ** -0.5).reshape(b, nq, 1, hd).to(q.dtype)
 
 
 class Attention(nn.Module):
@@ -107,21 +67,20 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, T, self.num_heads * self.head_dim))
 
     def _attend_packed(self, q, k, v, ctx: StepContext, kv) -> torch.Tensor:
-        """A packed forward's attention, [1, nq, T, hd]: the one-token (decode) sequences together through
-        the kernel's paged entry when the cache offers it (`attend_decode`: one call over their pool rows),
-        the others each alone."""
-        ext = decode_kernel(q, k) if hasattr(kv, "attend_decode") else None
-        if ext is not None and ctx.packed.decode_only:  # every sequence one token, in packed order
+        """A packed forward's attention, [1, nq, T, hd]: the one-token (decode) sequences together in one
+        `attend_decode` of the cache handle (their keys and values stored and their queries attended over
+        their rows of the pool), the others each alone."""
+        if ctx.packed.decode_only:  # every sequence one token, in packed order
             seqs = range(len(ctx.packed.lengths))
-            got = kv.attend_decode(seqs, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), ext)
+            got = kv.attend_decode(seqs, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
             return got.transpose(0, 1)[None].to(q.dtype)  # [1, nq, n, hd]
         segments = list(ctx.packed.segments())
-        ones = [i for i, (_, s0, s1) in enumerate(segments) if s1 - s0 == 1] if ext is not None else []
+        ones = [i for i, (_, s0, s1) in enumerate(segments) if s1 - s0 == 1]
         outs: list[torch.Tensor | None] = [None] * len(segments)
         if ones:
             at = torch.tensor([segments[i][1] for i in ones], device=q.device)
             got = kv.attend_decode([segments[i][0] for i in ones], q[0][:, at].transpose(0, 1),
-                                   k[0][:, at].transpose(0, 1), v[0][:, at].transpose(0, 1), ext)  # [n, nq, hd]
+                                   k[0][:, at].transpose(0, 1), v[0][:, at].transpose(0, 1))  # [n, nq, hd]
             for j, i in enumerate(ones):
                 outs[i] = got[j][None, :, None].to(q.dtype)
         for i, (s, s0, s1) in enumerate(segments):
@@ -132,15 +91,6 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, ctx: StepContext, kv) -> torch.Tensor:
         """Causal attention of q [b, nq, T, hd] over the cached keys and values plus k, v [b, nkv, T, hd]
         (stored into `kv` first) -> [b, nq, T, hd]."""
-        T = q.shape[2]
         if kv is not None:
             k, v = kv.update(k, v, ctx.past)
-        mask = attention_mask(ctx, T, q.device)
-        if T == 1 and mask is None and backend.cpu_kernels(q):
-            return one_query_attention(q, k, v)
-        is_causal = mask is None and T > 1
-        if self.num_kv_heads != self.num_heads and not _SDPA_HAS_GQA:  # torch 2.4
-            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-        gqa = {"enable_gqa": True} if _SDPA_HAS_GQA and self.num_kv_heads != self.num_heads else {}
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, **gqa)
+        return causal_attention(q, k, v, attention_mask(ctx, q.shape[2], q.device))

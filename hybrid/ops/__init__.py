@@ -1,4 +1,4 @@
-"""The seam that picks the implementation of the Mamba-2 hot operations.
+"""The seam that picks the implementation of the Mamba-2 hot operations (and, from `attention.py`, of attention's).
 
 The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`) are the specification. On the GPU path (a CUDA
 tensor, or any tensor under HYBRID_BACKEND=triton: `moe.quant.kernels.backend`), when the `mamba-ssm` /
@@ -24,11 +24,13 @@ from hybrid.ops import cpu as _cpu
 from hybrid.ops import decode as _decode
 from hybrid.ops import norm as _norm
 from hybrid.ops import ssd as _ssd
+from hybrid.ops.attention import causal_attention, decode_attention, one_query_attention, paged_decode_attention
 from hybrid.ops.conv1d import causal_conv1d
 from moe.quant.kernels import backend
 
-__all__ = ["causal_conv1d", "conv_step", "gated_rms_norm", "import_error", "kernel_status", "mamba_chunks_fused",
-           "mamba_decode_step", "rms_norm", "ssd_scan", "ssd_step"]
+__all__ = ["causal_attention", "causal_conv1d", "conv_step", "decode_attention", "gated_rms_norm", "import_error",
+           "kernel_status", "mamba_chunks_fused", "mamba_decode_step", "one_query_attention", "paged_decode_attention",
+           "rms_norm", "ssd_scan", "ssd_step"]
 
 _IMPORT_ERRORS: dict[str, str] = {}  # package -> why it did not import (`backend.fallback`, `kernel_status`)
 

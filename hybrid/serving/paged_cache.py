@@ -6,8 +6,8 @@ table, state slot, positions already computed and new tokens); the model's forwa
 `Cache.layer(i).seq(s)`:
 - attention: `update(k, v, start)` writes the sequence's new keys and values into its blocks and returns
   all of its keys and values [1, nkv, start + T, hd] (gathered from its block table); the layer's
-  `attend_decode` stores one new token of each of several sequences and attends them over their rows in
-  place (the CPU kernel's paged entry, no gathered copy);
+  `attend_decode` stores one new token of each of several sequences and attends them over their rows
+  (`hybrid.ops.paged_decode_attention`: in place on the CPU, no gathered copy);
 - Mamba: a batch-1 `MambaState` of views of the sequence's slot, updated in place; `rows(seqs)` gives the
   pools and the slots of several sequences, whose decode tokens then run in one step; `keep(t, seqs)` copies
   the states of verifying sequences after their token `t` (speculative decoding), so that `accept` can
@@ -25,6 +25,7 @@ import torch
 
 from hybrid.cache import Cache, MambaState, PackedSeqs, StepContext
 from hybrid.config import ATTENTION, MAMBA, HybridConfig
+from hybrid.ops import paged_decode_attention
 from hybrid.serving.blocks import BlockPool
 from hybrid.serving.slots import StateSlots
 
@@ -71,16 +72,16 @@ class _KVLayer:
     def seq(self, s: int) -> _SeqKV:
         return _SeqKV(*self._pools(), self.cache.position_index(s))
 
-    def attend_decode(self, seqs: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ext) -> torch.Tensor:
+    def attend_decode(self, seqs: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """One new token of each sequence `seqs` (each scheduled with one token): store its key and value
         k / v [n, nkv, hd] at its position and attend its query q [n, nq, hd] over all of its positions'
-        rows in the pool, through `ext.paged_decode_attention` (`hybrid.ops.cpu.attention_module`: the rows
-        read in place, no gathered copy) -> [n, nq, hd] fp32."""
+        rows in the pool (`hybrid.ops.paged_decode_attention`: on the CPU read in place, no gathered copy)
+        -> [n, nq, hd] fp32."""
         k_pool, v_pool = self._pools()
         rows, new = self.cache.decode_rows(seqs)
         k_pool.index_copy_(0, new, k.to(k_pool.dtype))
         v_pool.index_copy_(0, new, v.to(v_pool.dtype))
-        return ext.paged_decode_attention(q, k_pool, v_pool, rows, q.shape[-1] ** -0.5)
+        return paged_decode_attention(q, k_pool, v_pool, rows)
 
 
 class _MambaLayer:

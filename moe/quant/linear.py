@@ -14,7 +14,6 @@ is built for the call and dropped after it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moe.quant import kernels
@@ -37,12 +36,7 @@ class QuantLinear(PackedWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_quant:
             x = self.fmt.fake_quantize(x, self.activation_scale())
-        elif (fused := kernels.triton_for(x, self.fmt)) is not None:
-            return fused.linear(x, self, self.bias)
-        if (cpu := kernels.cpu_for(x, self.fmt)) is not None:  # straight from the packed bytes
-            y = cpu.linear(x.reshape(-1, self.in_features), self).reshape(*x.shape[:-1], self.out_features)
-            return (y if self.bias is None else y + self.bias).to(x.dtype)
-        return F.linear(x, self.dequantize(x.dtype), self.bias)
+        return kernels.packed_linear(x, self, self.bias, fused=not self.act_quant)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, fmt: QuantFormat, input_amax: torch.Tensor | None = None,

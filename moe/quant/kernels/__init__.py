@@ -10,7 +10,8 @@
     triton.py   fused dequantize-matmul for FP8 / NVFP4 weights, plain or grouped by expert (CUDA)
 
 The PyTorch reference (dequantize the weight, then an ordinary matmul) is what runs wherever no kernel
-applies; every kernel is tested against it. Private PyTorch operators appear only in these modules (each
+applies; every kernel is tested against it. `packed_linear` is the choice for one packed matrix (what
+`QuantLinear` calls). Private PyTorch operators appear only in these modules (each
 module's docstring names the ones it uses; `docs/architecture.md` lists them all).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 from moe.quant.kernels import backend
 
@@ -69,3 +71,16 @@ def cpu_for(x: torch.Tensor, fmt) -> ModuleType | None:
     from moe.quant.kernels import cpu
 
     return cpu if cpu.supports(fmt) and cpu.module() is not None else None
+
+
+def packed_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, fused: bool = True) -> torch.Tensor:
+    """x [..., in] @ dequantize(W).T (+ bias) -> [..., out] in x's dtype, for a packed matrix `weight` (a
+    `moe.quant.PackedWeight` of one matrix): the fused Triton kernel on the GPU path (unless `fused` is False:
+    inputs already quantize-dequantized, `QuantLinear(act_quant=True)`), the CPU kernel straight from the packed
+    bytes, else the reference: the weight dequantized for the call, then `F.linear`."""
+    if fused and (triton := triton_for(x, weight.fmt)) is not None:
+        return triton.linear(x, weight, bias)
+    if (cpu := cpu_for(x, weight.fmt)) is not None:
+        y = cpu.linear(x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
+        return (y if bias is None else y + bias).to(x.dtype)
+    return F.linear(x, weight.dequantize(x.dtype), bias)
