@@ -5,7 +5,6 @@
     [completion] = hybrid.generate(model, tokenizer, "Hello", max_new_tokens=32)
 """
 
-from hybrid.cache import HybridCache
 from hybrid.checkpoint_files import CheckpointError
 from hybrid.config import ConfigError, HybridConfig
 from hybrid.generate import generate
@@ -18,7 +17,7 @@ from hybrid.serving.speculation import SpeculativeStats
 from hybrid.tokenizer import Tokenizer
 
 __all__ = [
-    "CheckpointError", "Completion", "ConfigError", "HybridCache", "HybridConfig", "HybridForCausalLM",
+    "CheckpointError", "Completion", "ConfigError", "HybridConfig", "HybridForCausalLM",
     "PrefixCache", "SamplingParams", "SpeculativeStats", "Tokenizer", "generate", "load", "load_model",
     "save_checkpoint",
 ]

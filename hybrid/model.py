@@ -20,7 +20,7 @@ from torch import nn
 
 import hybrid.fingerprint as fingerprint
 from hybrid.batch import outside_vocabulary
-from hybrid.cache import Cache, HybridCache, KVCache, MambaState, StepContext
+from hybrid.cache import Cache, MambaState, StepContext
 from hybrid.config import ATTENTION, MAMBA, MLP as MLP_CHAR, MOE, HybridConfig
 from hybrid.layers.attention import Attention
 from hybrid.layers.mamba2 import Mamba2Mixer
@@ -59,7 +59,7 @@ class Block(nn.Module):
         self.norm = RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
         self.mixer = make_mixer(kind, config)
 
-    def forward(self, h: torch.Tensor, ctx: StepContext | None, state: KVCache | MambaState | None = None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, ctx: StepContext | None, state=None) -> torch.Tensor:
         """`state`: this layer's handle from `Cache.layer` (attention and Mamba layers), or None."""
         x = self.norm(h)
         if self.kind in (MAMBA, ATTENTION):
@@ -134,8 +134,9 @@ class HybridForCausalLM(nn.Module):
 
     Call: `model(input_ids [B, T] int64, cache=None, attention_mask=None, logits_to_keep=0)` ->
     logits [B, T, vocab_size] float32 (only the last `logits_to_keep` positions when it is > 0).
-    `attention_mask` marks real tokens (1) and padding (0): [B, T] for the new tokens, or [B, past + T]
-    as transformers passes it. A cache from `new_cache` is updated in place.
+    `attention_mask` marks real tokens (1) and padding (0), [B, T], for a forward without a cache; on a cache
+    (`new_cache`, updated in place) only all-real masks are taken, [B, T] or [B, past + T] as transformers
+    passes them (prompts of different lengths run as packed sequences: `hybrid.generate_ids`).
 
     Attributes:
         quantization: the `moe.quant.config.QuantConfig` the packed modules follow, or None (float weights).
@@ -236,9 +237,14 @@ class HybridForCausalLM(nn.Module):
         return self
 
     # ------------------------------------------------------------------------------------------ caches
-    def new_cache(self, batch_size: int, capacity: int = 0) -> HybridCache:
-        """An empty inference state for `batch_size` sequences (KV preallocated for `capacity` positions)."""
-        return HybridCache(self.cache_config, batch_size, dtype=self.dtype, device=self.device, capacity=capacity)
+    def new_cache(self, batch_size: int, capacity: int = 0) -> "BatchCache":
+        """An empty inference state for running `batch_size` sequences step by step through `forward` (KV blocks
+        for `capacity` positions each allocated up front; the pool grows past them): the serving engine's paged
+        cache (`hybrid.serving.paged_cache.BatchCache`). Every forward on it brings the same number of tokens to
+        every sequence; prompts of different lengths run on `hybrid.generate_ids` or the engine."""
+        from hybrid.serving.paged_cache import BatchCache
+
+        return BatchCache(self.cache_config, batch_size, self.dtype, self.device, capacity)
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(
@@ -276,7 +282,8 @@ class HybridForCausalLM(nn.Module):
 
         Raises:
             ValueError: input_ids not [batch, tokens] of integers or with no tokens, a real token id outside
-                [0, vocab_size), or an attention_mask of the wrong shape or with values other than 0 / 1.
+                [0, vocab_size), an attention_mask of the wrong shape or with values other than 0 / 1, padding
+                on a cache, or a batch size other than the cache's.
         """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
@@ -288,10 +295,12 @@ class HybridForCausalLM(nn.Module):
         ids = input_ids if mask is None else input_ids.masked_fill(~mask, 0)
         self._check_ids(ids)  # before the cache advances
         ctx = cache.begin(B, T, mask) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
-        h = self.backbone.embeddings(ids)
+        flat = ctx.packed is not None and B > 1  # a batch cache's rows: packed one after another
+        h = self.backbone.embeddings(ids.reshape(1, B * T) if flat else ids)
         for i, block in enumerate(self.backbone.layers):
             h = block(h, ctx, cache.layer(i) if cache is not None else None)
-        return self.backbone.norm_f(h)
+        h = self.backbone.norm_f(h)
+        return h.reshape(B, T, -1) if flat else h
 
     def mtp_hidden_states(self, hidden: torch.Tensor, next_ids: torch.Tensor, mtp_cache: Cache) -> torch.Tensor:
         """Run the MTP block over new positions on its cache (the engine's: `PagedCache(..., mtp=True)`).

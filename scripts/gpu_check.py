@@ -340,11 +340,14 @@ def check_gated_rms_norm(device: torch.device, w: Widths, dtype: str) -> dict[st
 
 def check_attention(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:
     """One decode step of an attention layer (`hybrid.layers.attention.Attention`, hidden `w.hidden`, GQA
-    `w.q_heads` / `w.kv_heads` of `w.attn_head_dim`) over a KV cache of `w.keys - 1` positions, against the
-    same layer in float64 (projections, grouped softmax attention with scale hd^-0.5, output projection)."""
-    from hybrid.cache import KVCache, StepContext
+    `w.q_heads` / `w.kv_heads` of `w.attn_head_dim`) for `w.batch` sequences packed in one step, each over
+    `w.keys - 1` cached positions in the engine's paged KV blocks, against the same layer in float64
+    (projections, grouped softmax attention with scale hd^-0.5, output projection)."""
     from hybrid.config import HybridConfig
     from hybrid.layers.attention import Attention
+    from hybrid.serving.blocks import BlockPool
+    from hybrid.serving.paged_cache import PagedCache, ScheduledSeq
+    from hybrid.serving.slots import StateSlots
 
     g = torch.Generator().manual_seed(6)
     dt = DTYPES[dtype]
@@ -368,9 +371,15 @@ def check_attention(device: torch.device, w: Widths, dtype: str) -> dict[str, fl
     want = attn.reshape(b, nq * hd) @ W["o_proj.weight"].T
 
     layer = layer.to(device)
-    kv = KVCache(b, nkv, hd, dt, device, capacity=S)
-    kv.update(k_past.to(device), v_past.to(device), 0)
-    got = layer(x.to(device), StepContext(past=S - 1, mask=None, key_mask=None), kv)[:, 0]
+    per = -(-S // 16)
+    blocks = BlockPool(config, b * per, 16, dt, device)
+    cache = PagedCache(config, blocks, StateSlots(config, 1, dt, device))
+    cache.schedule([ScheduledSeq(list(range(s * per, (s + 1) * per)), 0, S - 1, 1) for s in range(b)])
+    for s in range(b):  # the cached positions' keys and values into each sequence's blocks
+        rows = cache.position_index(s)[:S - 1]
+        blocks.k[0].flatten(0, 1)[rows] = k_past[s].transpose(0, 1).to(device)
+        blocks.v[0].flatten(0, 1)[rows] = v_past[s].transpose(0, 1).to(device)
+    got = layer(x.to(device).reshape(1, b, H), cache.begin(1, b, None), cache.layer(0))[0]
     return {"out": rel_error(got, want)}
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import hybrid
-from hybrid.cache import Cache, HybridCache, MambaState, StepContext
+from hybrid.cache import Cache, MambaState, StepContext
 from hybrid.config import HybridConfig
 
 # Settings shared by every tiny config. `time_step_min` is the trap of docs/semantics.md: transformers'
@@ -136,11 +136,39 @@ def tf_greedy(tf_model, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.
     return out.sequences[:, ids.shape[1]:], torch.stack(out.logits, dim=1).float()
 
 
+class Packed:
+    """Sequences of different lengths on one paged cache, stepped together, each over its own blocks and state
+    slot (the engine's path without its scheduler): `step` runs one packed forward."""
+
+    def __init__(self, model, n: int, capacity: int = 256, block_size: int = 16):
+        from hybrid.serving.blocks import BlockPool
+        from hybrid.serving.paged_cache import PagedCache
+        from hybrid.serving.slots import StateSlots
+
+        config, per = model.cache_config, -(-capacity // block_size)
+        self.model, self.lengths = model, [0] * n
+        self.blocks = BlockPool(config, n * per, block_size, model.dtype, model.device)
+        self.slots = StateSlots(config, n, model.dtype, model.device)
+        self.rows = [([self.blocks.allocate() for _ in range(per)], self.slots.allocate()) for _ in range(n)]
+        self.cache = PagedCache(config, self.blocks, self.slots)
+
+    @torch.no_grad()
+    def step(self, tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Each sequence's new tokens (a non-empty id list each) in one packed forward; each one's logits [n_i, V]."""
+        from hybrid.serving.paged_cache import ScheduledSeq
+
+        self.cache.schedule([ScheduledSeq(*self.rows[i], self.lengths[i], len(t)) for i, t in enumerate(tokens)])
+        logits = self.model(torch.tensor([[x for t in tokens for x in t]], device=self.model.device), self.cache)[0]
+        for i, t in enumerate(tokens):
+            self.lengths[i] += len(t)
+        return list(logits.split([len(t) for t in tokens]))
+
+
 @torch.no_grad()
-def our_greedy(model, ids: torch.Tensor, n: int, attention_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+def our_greedy(model, ids: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decoding on our cache: one prefill, then one token per forward. Returns (tokens, step logits)."""
     cache = model.new_cache(ids.shape[0])
-    logits = model(ids, cache=cache, attention_mask=attention_mask)[:, -1]
+    logits = model(ids, cache=cache)[:, -1]
     tokens, steps = [], []
     for _ in range(n):
         steps.append(logits)
@@ -238,11 +266,33 @@ def new_mamba_state(config: HybridConfig, batch: int, dtype=torch.float32) -> Ma
     )
 
 
+class StateRows:
+    """A Mamba mixer's cache handle over a `MambaState` of B rows, sequence s in row s: the protocol of the
+    engine's paged cache (`seq`, `rows`) without its pools."""
+
+    def __init__(self, state: MambaState):
+        self.state = state
+
+    def seq(self, s: int) -> MambaState:
+        return MambaState(conv=self.state.conv[s:s + 1], ssm=self.state.ssm[s:s + 1])
+
+    def rows(self, seqs):
+        return self.state.conv, self.state.ssm, torch.tensor(list(seqs), dtype=torch.long)
+
+
 def run_mixer(mixer, x: torch.Tensor, state: MambaState | None = None, past: int = 0, mask=None) -> torch.Tensor:
-    """Our mixer on x [B, T, H], continuing `state` (updated in place)."""
-    ctx = StepContext(past=past, mask=mask, key_mask=mask)
+    """Our mixer on x [B, T, H]: without a state, from the zero state (padding `mask` allowed); with one, the rows
+    as packed sequences continuing `state` (updated in place), as a cached forward runs them."""
+    from hybrid.cache import PackedSeqs
+
     with torch.no_grad():
-        return mixer(x, ctx, state)
+        if state is None:
+            return mixer(x, StepContext(past=past, mask=mask, key_mask=mask), None)
+        if mask is not None:
+            raise ValueError("a cached forward takes no padding")
+        B, T, H = x.shape
+        ctx = StepContext(past=0, mask=None, key_mask=None, packed=PackedSeqs([T] * B, [past] * B))
+        return mixer(x.reshape(1, B * T, H), ctx, StateRows(state)).reshape(B, T, -1)
 
 
 def naive_mamba_mixer(mixer, x: torch.Tensor, dt_limit=(0.0, math.inf), conv_window=None, ssm_state=None,
@@ -305,10 +355,10 @@ def load_ours(directory, dtype=torch.float32):
 
 
 class InterfaceOnly(Cache):
-    """A `Cache` that offers only the interface's methods, each forwarded to a `HybridCache` and counted: code
-    that runs on it uses the interface and nothing of the dense implementation (`layers`, `k` ...)."""
+    """A `Cache` that offers only the interface's methods, each forwarded to a `BatchCache` and counted: code
+    that runs on it uses the interface and nothing of the implementation (`blocks`, `slots` ...)."""
 
-    def __init__(self, inner: HybridCache):
+    def __init__(self, inner: Cache):
         self.inner, self.calls = inner, {}
 
     def _count(self, name):
@@ -317,7 +367,6 @@ class InterfaceOnly(Cache):
 
     batch_size = property(lambda self: self.inner.batch_size)
     seq_len = property(lambda self: self.inner.seq_len)
-    key_mask = property(lambda self: self.inner.key_mask)
 
     def begin(self, *args, **kwargs):
         return self._count("begin")(*args, **kwargs)

@@ -38,8 +38,7 @@ def test_concurrency_is_what_allocated_caches_fill(tmp_path):
         model = HybridForCausalLM(config)
     block, length = 16, 1000
     cache = model.new_cache(1, capacity=math.ceil(length / block) * block)  # fp32, as the plan below
-    seq_bytes = cache.state_nbytes() + sum(t.nelement() * t.element_size() for layer in cache.layers
-                                           if layer is not None and hasattr(layer, "k") for t in (layer.k, layer.v))
+    seq_bytes = cache.state_nbytes() + cache.blocks.nbytes()  # its slot, and the KV blocks of `length` tokens
     weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     budget, reserve = weights + 10**6, 10**5
     c = plan(config, torch.float32, budget, max_model_len=length, block_size=block, reserve_bytes=reserve)

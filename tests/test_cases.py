@@ -27,8 +27,10 @@ from hybrid.layers.norm import GatedRMSNorm
 from hybrid.ops import ssd as ssd_ops
 from hybrid.layers.moe import MoE
 from moe.router import route
+from hybrid.generate import generate_ids
 from helpers import (
     REPORT,
+    Packed,
     assert_same_greedy,
     mamba_config,
     naive_mamba_mixer,
@@ -65,11 +67,11 @@ def record_ops(monkeypatch):
     prefill (the prompt-chunk kernel is off); the fused CPU kernels are held to those specifications in
     tests/test_mamba_kernel.py."""
     import hybrid.layers.mamba2 as mamba2
+    import hybrid.ops as ops
     import hybrid.ops.decode as decode
-    from hybrid.ops import conv_step
 
     calls = []
-    real_scan, real_step = mamba2.ssd_scan, mamba2.ssd_step
+    real_scan, real_step = ops.ssd_scan, ops.ssd_step
 
     def scan(x, dt, A, B, C, chunk_size, state=None):
         calls.append(("scan", x.clone(), dt.clone(), A.clone(), B.clone(), C.clone()))
@@ -80,12 +82,11 @@ def record_ops(monkeypatch):
         return real_step(x, dt, A, B, C, state)
 
     def decode_step(*args):
-        return decode.mamba_decode_step(*args, conv_step, step)
+        return decode.mamba_decode_step(*args, ops.conv_step, step)
 
-    monkeypatch.setattr(mamba2, "ssd_scan", scan)
-    monkeypatch.setattr(mamba2, "ssd_step", step)
+    monkeypatch.setattr(ops, "ssd_scan", scan)
     monkeypatch.setattr(mamba2, "mamba_decode_step", decode_step)
-    monkeypatch.setattr(mamba2, "mamba_chunks_fused", lambda *args: None)
+    monkeypatch.setattr(ops, "mamba_chunks_fused", lambda *args: None)
     return calls
 
 
@@ -193,69 +194,50 @@ def left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor
     return ids, mask
 
 
-def right_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)], mask[i, : len(p)] = p, 1
-    return ids, mask
-
-
 PADDING_LENGTHS = [3, 11, 20, 2]  # chunk 8, conv_kernel 4: shorter and longer than both
 
 
 def test_case04_left_padding(checkpoint):
-    """Each row of a left-padded batch gives the logits (real positions) and greedy tokens of the row alone."""
+    """Each row of a left-padded batch (a forward without a cache: scoring, training) gives the logits of its real
+    positions alone; generated together (packed sequences, no padding), each prompt gives its greedy tokens
+    alone."""
     ck = checkpoint("all4_ng2_gqa4_c8")
     model = ck.ours
     prompts = [random_ids(n, ck.vocab_size, seed=40 + n)[0] for n in PADDING_LENGTHS]
     ids, mask = left_pad(prompts)
     with torch.no_grad():
         batch_logits = model(ids, attention_mask=mask)
-    batch_tokens, batch_steps = our_greedy(model, ids, 16, attention_mask=mask)
+    together = generate_ids(model, [p.tolist() for p in prompts], max_new_tokens=16)
     for i, p in enumerate(prompts):
         with torch.no_grad():
             alone = model(p[None])
         real = batch_logits[i, ids.shape[1] - len(p) :]
         assert (real - alone[0]).abs().max() <= 1e-5, f"row {i} (length {len(p)}) prefill logits"
         tokens, steps = our_greedy(model, p[None], 16)
-        assert_same_greedy(batch_tokens[i : i + 1], tokens, steps)
-        if torch.equal(batch_tokens[i], tokens[0]):
-            assert (batch_steps[i] - steps[0]).abs().max() <= 1e-5, f"row {i} decode logits"
+        assert_same_greedy(torch.tensor([together[i].token_ids]), tokens, steps)
 
 
-def test_case05_right_padding_and_cache(checkpoint):
-    """After a right-padded prefill, each row's conv window and SSM state (and its real keys/values)
-    equal those of the row run alone, and decoding continues identically."""
+def test_case05_packed_prefill_and_decode(checkpoint):
+    """After one packed prefill of prompts of different lengths, each sequence's conv window and SSM state (in
+    its slot) equal those of the prompt run alone, and decoding them together continues each as alone."""
     ck = checkpoint("all4_ng2_gqa4_c8")
     model = ck.ours
     prompts = [random_ids(n, ck.vocab_size, seed=50 + n)[0] for n in PADDING_LENGTHS]
-    ids, mask = right_pad(prompts)
-    cache = model.new_cache(len(prompts))
-    with torch.no_grad():
-        logits = model(ids, cache=cache, attention_mask=mask)
-    lengths = torch.tensor([len(p) for p in prompts])
-    nxt = logits[torch.arange(len(prompts)), lengths - 1].argmax(-1)
-    batch_tokens, batch_steps = [nxt], [logits[torch.arange(len(prompts)), lengths - 1]]
+    packed = Packed(model, len(prompts))
+    logits = packed.step([p.tolist() for p in prompts])
     for i, p in enumerate(prompts):
         alone = model.new_cache(1)
         with torch.no_grad():
             model(p[None], cache=alone)
-        for layer, (ours, ref) in enumerate(zip(cache.layers, alone.layers)):
-            if hasattr(ours, "ssm"):
-                assert torch.allclose(ours.conv[i], ref.conv[0], atol=1e-6), f"row {i} layer {layer} conv window"
-                assert torch.allclose(ours.ssm[i], ref.ssm[0], atol=1e-5), f"row {i} layer {layer} SSM state"
-            elif hasattr(ours, "k"):
-                assert torch.allclose(ours.k[i, :, : len(p)], ref.k[0, :, : len(p)], atol=1e-6)
-                assert torch.allclose(ours.v[i, :, : len(p)], ref.v[0, :, : len(p)], atol=1e-6)
-    with torch.no_grad():
-        for _ in range(15):
-            step = model(nxt[:, None], cache=cache)[:, -1]
-            batch_steps.append(step)
-            nxt = step.argmax(-1)
-            batch_tokens.append(nxt)
-    batch_tokens, batch_steps = torch.stack(batch_tokens, 1), torch.stack(batch_steps, 1)
+        slot = packed.rows[i][1]
+        for layer, (conv, ssm) in enumerate(zip(packed.slots.conv, packed.slots.ssm)):
+            assert torch.allclose(conv[slot], alone.slots.conv[layer][0], atol=1e-6), f"row {i} layer {layer} conv"
+            assert torch.allclose(ssm[slot], alone.slots.ssm[layer][0], atol=1e-5), f"row {i} layer {layer} SSM state"
+    batch_steps = [torch.stack([rows[-1] for rows in logits])]
+    for _ in range(15):
+        batch_steps.append(torch.cat(packed.step([[int(t)] for t in batch_steps[-1].argmax(-1)])))
+    batch_steps = torch.stack(batch_steps, 1)
+    batch_tokens = batch_steps.argmax(-1)
     for i, p in enumerate(prompts):
         tokens, steps = our_greedy(model, p[None], 16)
         assert_same_greedy(batch_tokens[i : i + 1], tokens, steps)
@@ -358,7 +340,7 @@ def test_case08_state_precision(monkeypatch):
     assert worst_bf16 > 10 * worst  # the test can see the difference a bf16 state makes
     model = hybrid.loading.build_model(HybridConfig(**{**config.__dict__, "hybrid_override_pattern": "M*"}),
                                        torch.bfloat16, "cpu")
-    assert model.new_cache(2).layers[0].ssm.dtype == torch.float32
+    assert model.new_cache(2).slots.ssm[0].dtype == torch.float32
 
 
 # ---------------------------------------------------------------------------------------------- MoE

@@ -217,8 +217,9 @@ def test_prompt_chunks_of_several_sequences_run_batched_as_each_alone(model, len
     of the C++ prompt-chunk kernel on their slot rows; without it, chunks of close lengths as one right-padded
     batch on states gathered from their slots) gives every sequence the output and the final conv window
     and SSM state of the same tokens run alone from its own state; the other slots are untouched. Oracle:
-    the mixer's unpacked forward on one sequence and a copy of its state, in PyTorch (the kernel off)."""
-    import hybrid.layers.mamba2 as mamba2
+    each sequence alone through the mixer on a copy of its state, in PyTorch (the kernel off)."""
+    import hybrid.ops as ops
+    from helpers import run_mixer
     from hybrid.cache import MambaState
     from hybrid.serving.blocks import BlockPool
     from hybrid.serving.paged_cache import PagedCache, ScheduledSeq
@@ -239,14 +240,14 @@ def test_prompt_chunks_of_several_sequences_run_batched_as_each_alone(model, len
     x = torch.randn(1, sum(lengths), config.hidden_size, generator=g)
     pytorch_prefill = lambda *args: None  # noqa: E731
     if not kernel:
-        monkeypatch.setattr(mamba2, "mamba_chunks_fused", pytorch_prefill)
+        monkeypatch.setattr(ops, "mamba_chunks_fused", pytorch_prefill)
     with torch.inference_mode():
         got = mixer(x, cache.begin(1, sum(lengths), None), cache.layer(layer))
-        monkeypatch.setattr(mamba2, "mamba_chunks_fused", pytorch_prefill)
+        monkeypatch.setattr(ops, "mamba_chunks_fused", pytorch_prefill)
         start = 0
         for slot, n in zip(slot_of, lengths):
             state = MambaState(conv=before[0][0][slot:slot + 1].clone(), ssm=before[0][1][slot:slot + 1].clone())
-            want = mixer(x[:, start:start + n], None, state)
+            want = run_mixer(mixer, x[:, start:start + n], state, past=3)
             torch.testing.assert_close(got[:, start:start + n], want, rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(slots.conv[0][slot], state.conv[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(slots.ssm[0][slot], state.ssm[0], rtol=1e-5, atol=1e-5)
@@ -256,7 +257,7 @@ def test_prompt_chunks_of_several_sequences_run_batched_as_each_alone(model, len
 
 
 def test_pad_groups_batches_close_lengths_and_leaves_long_chunks_alone():
-    from hybrid.layers.mamba2 import pad_groups
+    from hybrid.ops.prefill import pad_groups
 
     segs = [(0, 0, 26), (1, 26, 52), (2, 52, 452), (3, 452, 480), (4, 480, 500)]
     groups = pad_groups(segs)

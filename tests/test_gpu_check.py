@@ -147,9 +147,9 @@ BROKEN = {"ssd_scan": ("hybrid.ops", "ssd_scan", _broken_ssd_scan),
           "conv_step": ("hybrid.ops", "conv_step", _broken_conv_step),
           "rms_norm": ("hybrid.ops", "rms_norm", _broken_rms_norm),
           "gated_rms_norm": ("hybrid.ops", "gated_rms_norm", _broken_gated_rms_norm),
-          # the CPU's one-query attention with the KV heads of the query groups swapped
-          "attention": ("hybrid.ops.attention", "one_query_attention",
-                        lambda real: lambda q, k, v: real(q, k.flip(1), v.flip(1)))}
+          # the paged decode attention with the KV heads of the query groups swapped
+          "attention": ("hybrid.serving.paged_cache", "paged_decode_attention",
+                        lambda real: lambda q, k, v, rows: real(q, k.flip(1), v.flip(1), rows))}
 
 
 def _kernel_check(name: str, dtype: str) -> dict:

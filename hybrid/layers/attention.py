@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hybrid.cache import KVCache, StepContext
+from hybrid.cache import StepContext
 from hybrid.config import HybridConfig
 from hybrid.ops import causal_attention
 
@@ -38,7 +38,7 @@ def attention_mask(ctx: StepContext, num_tokens: int, device) -> torch.Tensor | 
 
 
 class Attention(nn.Module):
-    """Shapes: x [B, T, hidden_size] -> [B, T, hidden_size]; keys and values appended to the `KVCache`."""
+    """Shapes: x [B, T, hidden_size] -> [B, T, hidden_size]; keys and values stored in the cache's blocks."""
 
     def __init__(self, config: HybridConfig):
         super().__init__()
@@ -51,7 +51,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(H, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, H, bias=bias)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext | None = None, kv: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None, kv=None) -> torch.Tensor:
         """`kv`: this layer's handle from `Cache.layer` (for a packed forward, `kv.seq(s)` gives sequence
         `s`'s), or None without a cache."""
         b, T, _ = x.shape

@@ -1,14 +1,16 @@
 """The seam that picks the implementation of the Mamba-2 hot operations (and, from `attention.py`, of attention's).
 
-The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`) are the specification. On the GPU path (a CUDA
-tensor, or any tensor under HYBRID_BACKEND=triton: `moe.quant.kernels.backend`), when the `mamba-ssm` /
-`causal-conv1d` packages (extra `cuda`) are importable, the SSD scan, the recurrent step and the decode conv step
-use their kernels instead (where they do not import, PyTorch's versions run, or under HYBRID_REQUIRE_CUDA_KERNELS=1
-the operation raises `KernelUnavailable` naming the import error); on the CPU, the whole decode step of several
-sequences (`mamba_decode_step`) and the prompt chunks of several sequences (`mamba_chunks_fused`: conv, dt and the
-SSD in its recurrent form, each state read and written once per chunk) run in the C++ kernels of `cpu.py` when they
-build. The scan kernels take the already processed `dt` (softplus, clamp and padding mask applied by the mixer), so
-every path shares one definition of `dt` (tests/test_cases.py, case 1). The RMSNorms (`rms_norm`, `gated_rms_norm`;
+The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`, `prefill.py`) are the specification; the mixer
+calls one operation per phase: `mamba_scan` (no cache), `mamba_chunks` (prompt chunks of packed sequences),
+`mamba_decode_step` (decode tokens). On the GPU path (a CUDA tensor, or any tensor under HYBRID_BACKEND=triton:
+`moe.quant.kernels.backend`), when the `mamba-ssm` / `causal-conv1d` packages (extra `cuda`) are importable, the
+SSD scan, the recurrent step and the decode conv step use their kernels instead (where they do not import,
+PyTorch's versions run, or under HYBRID_REQUIRE_CUDA_KERNELS=1 the operation raises `KernelUnavailable` naming
+the import error); on the CPU, the whole decode step of several sequences (`mamba_decode_step`) and the prompt
+chunks of several sequences (`mamba_chunks` through `mamba_chunks_fused`: conv, dt and the SSD in its recurrent
+form, each state read and written once per chunk) run in the C++ kernels of `cpu.py` when they build. The scan
+kernels take the already processed `dt` (softplus, clamp and padding mask applied before them), so every path
+shares one definition of `dt` (tests/test_cases.py, case 1). The RMSNorms (`rms_norm`, `gated_rms_norm`;
 specification `norm.py`) run in one fused C++ call per norm on CPU tensors of fp32 / bf16 when no gradient is
 wanted.
 """
@@ -23,14 +25,15 @@ from hybrid.ops import conv1d as _conv
 from hybrid.ops import cpu as _cpu
 from hybrid.ops import decode as _decode
 from hybrid.ops import norm as _norm
+from hybrid.ops import prefill as _prefill
 from hybrid.ops import ssd as _ssd
 from hybrid.ops.attention import causal_attention, decode_attention, one_query_attention, paged_decode_attention
 from hybrid.ops.conv1d import causal_conv1d
 from moe.quant.kernels import backend
 
 __all__ = ["causal_attention", "causal_conv1d", "conv_step", "decode_attention", "gated_rms_norm", "import_error",
-           "kernel_status", "mamba_chunks_fused", "mamba_decode_step", "one_query_attention", "paged_decode_attention",
-           "rms_norm", "ssd_scan", "ssd_step"]
+           "kernel_status", "mamba_chunks", "mamba_chunks_fused", "mamba_decode_step", "mamba_scan",
+           "one_query_attention", "paged_decode_attention", "rms_norm", "ssd_scan", "ssd_step"]
 
 _IMPORT_ERRORS: dict[str, str] = {}  # package -> why it did not import (`backend.fallback`, `kernel_status`)
 
@@ -189,6 +192,29 @@ def mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias,
     lo, hi = time_step_limit
     return ext.mamba_chunks_slots(xBC, dt, conv, weight, bias, dt_bias, A, D, float(lo), float(hi), ssm, starts,
                                   lengths, index, d_inner, n_groups)
+
+
+def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
+                 d_inner: int, n_groups: int, chunk_size: int) -> torch.Tensor:
+    """The prompt chunks of S sequences (arguments and result as `mamba_chunks_fused`; `chunk_size`: the SSD
+    scan's): the C++ kernel where it runs (`mamba_chunks_fused`), else the PyTorch specification
+    (`hybrid.ops.prefill.mamba_chunks`: chunks of close lengths as right-padded batches, mamba-ssm's scan on the
+    GPU path). Returns y [L, nh, P] fp32 (rows outside the segments zero)."""
+    y = mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
+                           d_inner, n_groups)
+    if y is not None:
+        return y
+    return _prefill.mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D,
+                                 time_step_limit, d_inner, n_groups, chunk_size, causal_conv1d, ssd_scan)
+
+
+def mamba_scan(xBC, dt, weight, bias, dt_bias, A, D, time_step_limit, d_inner: int, n_groups: int, chunk_size: int,
+               mask=None, conv=None, ssm=None) -> torch.Tensor:
+    """Several tokens of B rows through the conv, dt and the chunked SSD scan (`hybrid.ops.prefill.mamba_scan`:
+    the forward without a cache, padding masked; mamba-ssm's scan on the GPU path): xBC [B, T, conv_dim], dt
+    [B, T, nh] -> y [B, T, nh, P] fp32 with the D skip."""
+    return _prefill.mamba_scan(xBC, dt, weight, bias, dt_bias, A, D, time_step_limit, d_inner, n_groups, chunk_size,
+                               causal_conv1d, ssd_scan, mask, conv, ssm)
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16)

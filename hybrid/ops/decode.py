@@ -3,7 +3,7 @@
 The plain PyTorch specification of `hybrid.ops.mamba_decode_step` (the C++ kernel `cpu_mamba.cpp` is
 tested against it): for each sequence, the conv step and the SSD step of `conv1d.py` / `ssd.py` run on
 views of its rows, so no state is ever gathered into a batch and scattered back. Rows `0..R-1` in order
-(a dense cache's batch) run as one batch.
+(a `BatchCache`'s rows) run as one batch.
 """
 
 from __future__ import annotations

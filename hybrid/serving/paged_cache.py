@@ -26,7 +26,7 @@ import torch
 from hybrid.cache import Cache, MambaState, PackedSeqs, StepContext
 from hybrid.config import ATTENTION, MAMBA, HybridConfig
 from hybrid.ops import paged_decode_attention
-from hybrid.serving.blocks import BlockPool
+from hybrid.serving.blocks import BlockPool, GrowingBlockPool
 from hybrid.serving.slots import StateSlots
 
 
@@ -112,7 +112,8 @@ class PagedCache(Cache):
 
     def __init__(self, config: HybridConfig, blocks: BlockPool, slots: StateSlots, mtp: bool = False):
         self.blocks, self.slots = blocks, slots
-        self.batch_size, self.seq_len, self.key_mask = 1, 0, None
+        self.batch_size, self.seq_len = 1, 0  # one packed row; its sequences' lengths differ (`Cache.seq_len`)
+        self.num_tokens = 0  # tokens of the scheduled step
         self.seqs: list[ScheduledSeq] = []
         self.packed: PackedSeqs | None = None
         self._per_step: dict[tuple, object] = {}  # what the layers of this step ask alike, made once
@@ -146,7 +147,7 @@ class PagedCache(Cache):
                 raise ValueError(f"sequence {i}: {len(s.block_table)} blocks of {bs} do not hold "
                                  f"{s.past} + {s.num_tokens} positions")
         self.seqs, self._per_step, self.kept = list(seqs), {}, {}
-        self.seq_len = sum(s.num_tokens for s in seqs)
+        self.num_tokens = sum(s.num_tokens for s in seqs)
         self.packed = PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs],
                                  frozenset(i for i, s in enumerate(seqs) if s.verify))
         return self.packed
@@ -202,15 +203,15 @@ class PagedCache(Cache):
         return self._per_step[key]
 
     # ------------------------------------------------------------------------------------------ Cache
-    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None, record: bool = False) -> StepContext:
+    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None) -> StepContext:
         """The packed context of the scheduled sequences.
 
         Raises:
-            ValueError: not one row of exactly the scheduled tokens, padding, or a recorded forward.
+            ValueError: not one row of exactly the scheduled tokens, or padding.
         """
-        if batch_size != 1 or num_tokens != self.seq_len or mask is not None or record:
-            raise ValueError(f"a paged step takes one packed row of the {self.seq_len} scheduled tokens without "
-                             f"padding or recording, got [{batch_size}, {num_tokens}]")
+        if batch_size != 1 or num_tokens != self.num_tokens or mask is not None:
+            raise ValueError(f"a paged step takes one packed row of the {self.num_tokens} scheduled tokens without "
+                             f"padding, got [{batch_size}, {num_tokens}]")
         return StepContext(past=0, mask=None, key_mask=None, packed=self.packed)
 
     def layer(self, i: int):
@@ -232,3 +233,59 @@ class PagedCache(Cache):
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`Cache.snapshot_mamba`, written into `out` (a dropped snapshot's states: `StateSlots.read`) when given."""
         return self.slots.read(self.seqs[row].slot, out)
+
+
+class BatchCache(PagedCache):
+    """The cache `HybridForCausalLM.new_cache` gives: `batch_size` sequences run step by step through the model's
+    forward, each a packed sequence over its own blocks of a growing pool and its own state slot (the engine's
+    cache and layer paths, without its scheduler). Every forward brings the same number of new tokens to every
+    sequence (input [batch_size, T], no padding: prompts of different lengths run on
+    `hybrid.serving.engine.Engine` or `hybrid.generate_ids`).
+
+    `seq_len` is the positions each sequence holds.
+    """
+
+    def __init__(self, config: HybridConfig, batch_size: int, dtype: torch.dtype, device, capacity: int = 0,
+                 block_size: int = 16):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        blocks = GrowingBlockPool(config, max(1, batch_size * -(-capacity // block_size)), block_size, dtype, device)
+        slots = StateSlots(config, batch_size, dtype, device)
+        super().__init__(config, blocks, slots)
+        self.batch_size = batch_size
+        self._rows = [([], slots.allocate()) for _ in range(batch_size)]  # (block table, slot) per sequence
+
+    def begin(self, batch_size: int, num_tokens: int, mask: torch.Tensor | None) -> StepContext:
+        """The packed context of `num_tokens` new tokens of each sequence (the model flattens its [batch_size,
+        num_tokens] input into the packed row, sequence after sequence).
+
+        Raises:
+            ValueError: another batch size than the cache's, or padding.
+        """
+        if batch_size != len(self._rows):
+            raise ValueError(f"input batch size {batch_size} does not match the cache's batch size {len(self._rows)}")
+        if mask is not None:
+            raise ValueError("a step-by-step cache takes no padding: run prompts of different lengths on "
+                             "hybrid.serving.engine.Engine (or hybrid.generate_ids)")
+        bs, past = self.blocks.block_size, self.seq_len
+        end = past + num_tokens
+        needed = sum(max(0, -(-end // bs) - len(table)) for table, _ in self._rows)
+        self.blocks.make_room(needed)
+        for table, _ in self._rows:
+            table.extend(self.blocks.allocate() for _ in range(-(-end // bs) - len(table)))
+        packed = self.schedule([ScheduledSeq(table, slot, past, num_tokens) for table, slot in self._rows])
+        self.seq_len = end
+        return StepContext(past=0, mask=None, key_mask=None, packed=packed)
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the attention layers' keys and values for the stored positions of every sequence."""
+        per_token = sum(2 * k[0, 0].nelement() * k.element_size() for k in self.blocks.k)
+        return per_token * self.seq_len * len(self._rows)
+
+    def state_nbytes(self) -> int:
+        """Bytes of the Mamba layers' conv windows and SSM states (independent of the length)."""
+        return self.slots.nbytes()
+
+    def nbytes(self) -> int:
+        """Total bytes of inference state for the stored positions: KV + Mamba state."""
+        return self.kv_nbytes() + self.state_nbytes()
