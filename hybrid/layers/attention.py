@@ -3,9 +3,9 @@
 Nemotron-H attention applies no RoPE: `rope_theta` in published configs is a leftover and is ignored.
 `q_proj [nq*hd, H]`, `k_proj`/`v_proj [nkv*hd, H]`, `o_proj [H, nq*hd]`, causal softmax attention with scale
 `hd ** -0.5` (reference: transformers `NemotronHAttention`). The attention itself is an operation of
-`hybrid.ops.attention`, which picks its kernel: a prompt chunk or a dense cache's step through
-`causal_attention`, a packed step's decode tokens over their rows of the paged pool in one
-`paged_decode_attention` call (through the cache handle's `attend_decode`).
+`hybrid.ops.attention`, which picks its kernel: a forward without a cache and each prompt chunk (or
+verification) of a packed step over its sequence's keys through `causal_attention`, the step's decode tokens
+over their rows of the paged pool in one `paged_decode_attention` call (the cache handle's `attend_decode`).
 """
 
 from __future__ import annotations
