@@ -44,9 +44,9 @@ DEFAULT_MAX_NUM_SEQS = 16
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # tokens per forward (as generate's prefill chunk)
 
 
-def _check_size(name: str, value) -> None:
-    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r:.80}")
+def _check_size(name: str, value, minimum: int = 1) -> None:
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= minimum):
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r:.80}")
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | None]) -> list[TokenLogprobs | None]:
@@ -116,12 +116,8 @@ class Engine:
             _check_size(name, value)
         if max_model_len is not None:
             _check_size("max_model_len", max_model_len)
-        if not (isinstance(prefix_cache_bytes, numbers.Integral) and not isinstance(prefix_cache_bytes, bool)
-                and prefix_cache_bytes >= 0):
-            raise ValueError(f"prefix_cache_bytes must be an integer >= 0, got {prefix_cache_bytes!r:.80}")
-        if not (isinstance(num_speculative_tokens, numbers.Integral) and not isinstance(num_speculative_tokens, bool)
-                and num_speculative_tokens >= 0):
-            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {num_speculative_tokens!r:.80}")
+        _check_size("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
+        _check_size("num_speculative_tokens", num_speculative_tokens, minimum=0)
         self.blocks = (GrowingBlockPool if grow else BlockPool)(config, num_blocks, block_size, model.dtype,
                                                                  model.device, mtp=num_speculative_tokens > 0)
         self.slots = StateSlots(config, max_num_seqs, model.dtype, model.device)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybrid.config import MAMBA
+from hybrid.config import ATTENTION, MAMBA
 from hybrid.model import HybridForCausalLM
 from hybrid.sampling import SamplingParams, filtered_probs
 from hybrid.serving.blocks import BlockPool
@@ -109,7 +109,7 @@ class MTPDrafter:
         if MAMBA in model.config.mtp_pattern:
             raise ValueError(f"MTP blocks with Mamba layers are not supported (mtp pattern "
                              f"{model.config.mtp_pattern!r})")
-        if len(blocks.mtp_k) != model.config.mtp_pattern.count("*"):
+        if len(blocks.mtp_k) != model.config.mtp_pattern.count(ATTENTION):
             raise ValueError("the block pool holds no keys and values for the MTP block (make it with mtp=True)")
         self.model, self.num_speculative_tokens = model, num_speculative_tokens
         self.cache = PagedCache(model.cache_config, blocks, slots, mtp=True)
