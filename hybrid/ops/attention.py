@@ -2,7 +2,7 @@
 
 - `decode_attention` is the specification of a decode step: one query per row over all of its keys, fp32
   softmax, the query heads of a KV head grouped into one matrix product (no repeated keys).
-- `causal_attention`: the layer's attention over a dense cache or a prompt chunk: one query with no mask on the
+- `causal_attention`: the layer's attention without a cache or for a prompt chunk: one query with no mask on the
   CPU through the C++ kernel (`one_query_attention`), everything else through
   `torch.nn.functional.scaled_dot_product_attention`.
 - `paged_decode_attention`: one query per sequence over its rows of a paged KV pool (the serving engine's decode

@@ -7,7 +7,7 @@
   tokens with blocks of the state in vector registers), where the PyTorch prefill runs a chunked scan per
   chunk or per padded batch of chunks.
 - `cpu_attention.cpp` (`attention_module`): one query per sequence over its keys and values where they lie
-  (a dense cache's rows, or a paged cache's pool rows, never gathered into a copy), in one parallel loop
+  (a prompt chunk's gathered keys, or a paged cache's pool rows, never gathered into a copy), in one parallel loop
   over the sequences' KV heads.
 - `cpu_norm.cpp` (`norm_module`): RMSNorm and the gated, grouped RMSNorm of the Mamba-2 mixer, each one
   call and one pass per row, where the specification (`hybrid.ops.norm`) is 4 to 10 PyTorch operations.
