@@ -350,20 +350,27 @@ class Engine:
         return reasons
 
     def _finish(self, ends, new_tokens, reasons) -> list[RequestOutput]:
-        """Finish the requests that ended; each end's `RequestOutput` (its log-probabilities when asked)."""
+        """Finish the requests that ended; each end's `RequestOutput` (its log-probabilities when asked: every
+        asking request's tokens in one `token_logprobs` call)."""
+        asked = [(j, token, row) for j, ((r, _, _), tokens) in enumerate(zip(ends, new_tokens))
+                 if r.sampling.logprobs is not None for token, row in tokens]
+        logprobs: dict[int, list[TokenLogprobs]] = {}
+        if asked:
+            got = token_logprobs(torch.stack([row for _, _, row in asked]), [t for _, t, _ in asked],
+                                 [ends[j][0].sampling.logprobs for j, _, _ in asked])
+            for (j, _, _), lp in zip(asked, got):
+                logprobs.setdefault(j, []).append(lp)
         outputs = []
         now = time.perf_counter()
-        for (r, _, _), tokens, reason in zip(ends, new_tokens, reasons):
+        for j, ((r, _, _), tokens, reason) in enumerate(zip(ends, new_tokens, reasons)):
             if reason is not None:
                 self.scheduler.finish(r, reason)
-            logprobs = token_logprobs(torch.stack([row for _, row in tokens]), [t for t, _ in tokens],
-                                      [r.sampling.logprobs] * len(tokens)) if r.sampling.logprobs is not None else None
             times = self._times[r.request_id]
             if math.isnan(times[1]):
                 times[1] = now
             times[2] = now
             outputs.append(RequestOutput(r.request_id, [t for t, _ in tokens], reason is not None, reason,
-                                         r.num_cached_tokens, logprobs))
+                                         r.num_cached_tokens, logprobs.get(j)))
         return outputs
 
     def _draft_budget(self, r: Request) -> int:
