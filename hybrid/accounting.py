@@ -154,7 +154,7 @@ def _mamba_state(config: HybridConfig, item: int) -> int:
 def resident_bytes(model) -> int:
     """Bytes of the distinct tensor storages a loaded model holds: parameters, buffers, and any tensor kept
     as a plain module attribute or in a list attribute (so a cached dequantized weight, the oneDNN-packed
-    weights of `moe.quant.prepacked`, counted as their logical size, and the per-expert tensors of
+    weights of `moe.quant.kernels.prepacked`, counted as their logical size, and the per-expert tensors of
     `moe.quant.PackedExperts` are counted too)."""
     seen, total = set(), 0
     tensors = list(model.parameters()) + list(model.buffers())

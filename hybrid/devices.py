@@ -67,11 +67,11 @@ def describe(device: torch.device | str) -> dict[str, str]:
     """{operation: what runs it on `device`} for each hot operation of a model: the kernel, or `PyTorch` with
     the reason (a package that does not import names its error). Builds the CPU kernels on a CPU device."""
     from hybrid.ops import kernel_status
-    from moe import router
+    from moe.quant.kernels import routing as router_kernel
     from moe.quant.kernels import status as quant_status
 
     on_gpu = backend.gpu_path_on(device)
-    routing = "PyTorch" if on_gpu or router.kernel() is None else "C++ (cpu_router.cpp) for decode rows, else PyTorch"
+    routing = "PyTorch" if on_gpu or router_kernel.kernel() is None else "C++ (cpu_router.cpp) for decode rows, else PyTorch"
     ops = {**kernel_status(on_gpu), "MoE router": routing, **quant_status(on_gpu)}
     if on_gpu and backend.require_kernels():  # a fallback is an error then, not PyTorch
         ops = {op: f"an error ({backend.REQUIRE_VARIABLE}=1; {how[len('PyTorch ('):-1]})"

@@ -42,7 +42,7 @@ from hybrid.parallel.modules import attach_collectives, make_rank_model
 from hybrid.parallel.packed import RowSubset, narrow_outputs, packed_shards
 from hybrid.parallel.plan import Shard, ShardPlan
 from hybrid.quantization import quantize_modules, read_quant_config, register_kv_scales
-from moe.experts import PrepackedExpertBank
+from moe.quant.kernels.prepacked import PrepackedExpertBank
 from hybrid.ops import cpu as cpu_kernels
 from moe.prepack import prepackable
 from moe.quant import PackedExperts, PackedWeight, PrepackedLinear, QuantFormat, QuantLinear, swap_modules

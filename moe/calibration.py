@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from moe.experts import ExpertBank, relu2
+from moe.experts import ExpertBank
+from moe.quant.kernels.experts import relu2
 
 
 class InputAmax:

@@ -1,7 +1,7 @@
 """Prepack a model's bf16 weights for the CPU's bf16 kernels (inference), and back.
 
-`prepack(model)` swaps, in place, every bf16 `nn.Linear` for a `moe.quant.prepacked.PrepackedLinear` and
-every bf16 `moe.experts.ExpertBank` for a `PrepackedExpertBank` (decode matrix-vector products faster
+`prepack(model)` swaps, in place, every bf16 `nn.Linear` for a `moe.quant.kernels.prepacked.PrepackedLinear` and
+every bf16 `moe.experts.ExpertBank` for a `moe.quant.kernels.prepacked.PrepackedExpertBank` (decode matrix-vector products faster
 than eager `F.linear` on an AVX-512-BF16 CPU: docs/perf-log.md#bf16-decode-kernel; `moe.quant.kernels.bf16`).
 `unpack(model)` swaps them back (what quantizing or training needs).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.experts import ExpertBank, PrepackedExpertBank
+from moe.experts import ExpertBank
 from moe.quant.kernels import backend, bf16
-from moe.quant.prepacked import Prepacked, PrepackedLinear
+from moe.quant.kernels.prepacked import Prepacked, PrepackedExpertBank, PrepackedLinear
 from moe.quant.swap import swap_modules
 
 
@@ -58,7 +58,27 @@ def prepack(model: nn.Module) -> int:
 def unpack(model: nn.Module) -> int:
     """Swap every prepacked module of `model` back to the plain module with dense weights, in place, and make
     its parameters trainable again, as after a plain load. Returns the number of modules swapped."""
-    swapped = swap_modules(model, lambda name, child: child.to_plain() if isinstance(child, Prepacked) else None)
+    swapped = swap_modules(model, lambda name, child: plain(child) if isinstance(child, Prepacked) else None)
     if swapped:
         model.requires_grad_(True)
     return swapped
+
+
+def plain(module: Prepacked) -> nn.Module:
+    """The plain module (`nn.Linear` or `ExpertBank`) with the weights of prepacked `module` (dense copies).
+
+    Raises:
+        TypeError: `module` is neither a `PrepackedLinear` nor a `PrepackedExpertBank`.
+    """
+    with torch.device("meta"):  # built empty, then given the dense weights
+        if isinstance(module, PrepackedLinear):
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        elif isinstance(module, PrepackedExpertBank):
+            bank = ExpertBank(module.n_experts, module.shapes["up_proj"][2], module.shapes["up_proj"][1])
+        else:
+            raise TypeError(f"{type(module).__name__}: expected a PrepackedLinear or a PrepackedExpertBank")
+    if isinstance(module, PrepackedLinear):
+        linear.weight, linear.bias = nn.Parameter(module.weight), module.bias
+        return linear
+    bank.up_proj, bank.down_proj = nn.Parameter(module.up_proj), nn.Parameter(module.down_proj)
+    return bank

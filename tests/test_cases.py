@@ -26,7 +26,7 @@ from hybrid.config import HybridConfig
 from hybrid.layers.norm import GatedRMSNorm
 from hybrid.ops import ssd as ssd_ops
 from hybrid.layers.moe import MoE
-from moe.router import route
+from moe import route
 from hybrid.generate import generate_ids
 from helpers import (
     REPORT,

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from moe.experts import ExpertBank, QuantExpertBank, dispatch, relu2
+from moe.experts import ExpertBank, QuantExpertBank
+from moe.quant.kernels.experts import dispatch, expert_linear, relu2
 from moe.quant import PackedWeight, QuantLinear, kernels
 from moe.quant.config import modelopt_format
 from moe.quant.e4m3 import e4m3_value
@@ -199,7 +200,7 @@ def random_bank(E: int, H: int, I: int, g: torch.Generator, std: float) -> Exper
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_a_bank_runs_many_tokens_chosen_experts_in_one_call_per_projection(name, monkeypatch):
     """16 tokens (a decode step of 16 sequences) over 6 packed experts: one `cpu.linear_group` call per
-    projection for all the chosen experts, exactly the result of one call per expert (`_matmul`)."""
+    projection for all the chosen experts, exactly the result of one call per expert (`expert_linear`)."""
     E, I, H = 6, 96, 128
     g = torch.Generator().manual_seed(4)
     bank = random_bank(E, H, I, g, 0.1)
@@ -213,8 +214,8 @@ def test_a_bank_runs_many_tokens_chosen_experts_in_one_call_per_projection(name,
     with torch.no_grad():
         got = qbank(x, weights, ids)
         n = len(calls)
-        each = dispatch(x, weights, ids, E, lambda e, part: qbank._matmul(
-            qbank.down_proj, relu2(qbank._matmul(qbank.up_proj, part, e)), e))
+        each = dispatch(x, weights, ids, E, lambda e, part: expert_linear(
+            relu2(expert_linear(part, qbank.up_proj, e)), qbank.down_proj, e))
     chosen = sorted(set(ids.flatten().tolist()))
     assert calls[:n] == [chosen, chosen] and torch.equal(got, each)
 

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import hybrid
 from hybrid.quantize import quantize_model
-from moe.experts import PrepackedExpertBank
+from moe.quant.kernels.prepacked import PrepackedExpertBank
 from moe.quant.kernels import bf16, onednn
 from tiny_checkpoint import random_model, write_checkpoint
 

@@ -11,12 +11,12 @@ import pytest
 import hybrid
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.ops import cpu as ops_cpu
-from moe import router
+from moe.quant.kernels import routing
 from moe.quant.kernels import amx, build
 from moe.quant.kernels import cpu as packed
 from tiny_checkpoint import write_checkpoint
 
-LOADERS = [packed.module, amx.module, router.kernel, ops_cpu.module, ops_cpu.attention_module, ops_cpu.norm_module]
+LOADERS = [packed.module, amx.module, routing.kernel, ops_cpu.module, ops_cpu.attention_module, ops_cpu.norm_module]
 
 
 def fake_compiles(monkeypatch, tmp_path, n: int):

@@ -1,4 +1,4 @@
-"""Prepacked bf16 linears (`moe.prepack`, `moe.quant.prepacked`, `moe.quant.kernels.bf16`) against the plain
+"""Prepacked bf16 linears (`moe.prepack`, `moe.quant.kernels.prepacked`, `moe.quant.kernels.bf16`) against the plain
 modules they replace, in both stored forms: the plain copy for this project's dot-product kernel (decode
 rows; PyTorch's matmul for more) and oneDNN's blocked layout.
 
@@ -19,10 +19,11 @@ from hybrid.accounting import resident_bytes
 from hybrid.checkpoint_files import CheckpointFiles
 from hybrid.cli import DEFAULT_CHECKPOINT
 from hybrid.generate import generate_ids
-from moe.experts import ExpertBank, PrepackedExpertBank, dispatch
+from moe.experts import ExpertBank
 from moe.prepack import prepack, unpack
 from moe.quant.kernels import bf16, onednn
-from moe.quant.prepacked import PrepackedLinear
+from moe.quant.kernels.experts import dispatch
+from moe.quant.kernels.prepacked import PrepackedExpertBank, PrepackedLinear
 
 pytestmark = pytest.mark.skipif(not bf16.available(), reason="no bf16 kernels on this CPU / PyTorch build")
 FORMS = ["plain", "onednn"]

@@ -1,4 +1,4 @@
-"""The C++ router (`moe/cpu_router.cpp`) against its specification, `moe.router.route` of the fp32 product
+"""The C++ router (`moe/quant/kernels/cpu_router.cpp`) against its specification, `route` of the fp32 product
 `x.float() @ weight.T`: at Nemotron 3 Nano's widths (2,688 x 128 experts, top-6, one group, scale 2.5), at
 DeepSeek-V3's grouping (256 experts in 8 groups, 4 kept, top-8), with fp32 and bf16 inputs; ties, NaN and
 -inf masks ranked as the stable sort ranks them (exact logits made by one-hot inputs); the router module
@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe import router as router_module
-from moe.router import KERNEL_ROWS, TopkRouter, route
+from moe.quant.kernels import routing as router_module
+from moe.quant.kernels.routing import KERNEL_ROWS, route
+from moe.router import TopkRouter
 
 pytestmark = pytest.mark.skipif(router_module.kernel() is None, reason="the router kernel could not be built here")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moe.experts import relu2
+from moe import relu2
 
 
 class MLP(nn.Module):

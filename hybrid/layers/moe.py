@@ -5,7 +5,7 @@
     out = routed + shared_experts(x)                                   (the shared expert sees the full x)
 
 Under tensor parallelism (`hybrid.parallel`) `experts` holds one rank's experts from `expert_offset` on: ids
-of other ranks' experts fall outside the bank and are skipped (`moe.experts.dispatch`).
+of other ranks' experts fall outside the bank and are skipped (`moe.dispatch`).
 
 The Nemotron-specific assembly of the model-agnostic parts in `moe` (router maths, expert banks, dispatch).
 Reference: transformers `NemotronHMoE`, vLLM `NemotronHMoE`.

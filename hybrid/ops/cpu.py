@@ -60,11 +60,11 @@ def build_kernels() -> dict[str, object | None]:
     and RMSNorm kernels. Returns {name: the extension, or None where it is disabled, cannot be built or does not
     apply to this CPU}. Why at load: a kernel built on first use would compile between two streamed tokens and
     count in the speed figures."""
-    from moe import router
+    from moe.quant.kernels import routing
     from moe.quant.kernels import amx
     from moe.quant.kernels import cpu as packed
     from moe.quant.kernels.build import build_all
 
-    loaders = {"packed-weight": packed.module, "AMX": amx.module, "MoE router": router.kernel,
+    loaders = {"packed-weight": packed.module, "AMX": amx.module, "MoE router": routing.kernel,
                "Mamba-2": module, "decode attention": attention_module, "RMSNorm": norm_module}
     return dict(zip(loaders, build_all(list(loaders.values()))))

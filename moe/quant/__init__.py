@@ -8,9 +8,10 @@
                                  module name; ModelOpt's files, written
     packed.py, linear.py         PackedWeight (a weight held as its packed tensors), PackedExperts (a stack held
                                  one expert at a time: views of a checkpoint's map), QuantLinear
-    prepacked.py                 bf16 weights prepacked for the CPU kernels (PrepackedLinear)
     swap.py                      swap_modules: the one module-swapping loop
-    kernels/                     CPU (C++, oneDNN) and Triton kernels, and the seams choosing them
+    kernels/                     CPU (C++, oneDNN) and Triton kernels, and the operations choosing them
+                                 beside their references (packed products, the routed experts, the router);
+                                 the modules holding bf16 weights prepacked for the CPU (PrepackedLinear, ...)
 
 Modules are addressed by their dotted names only.
 """
@@ -19,7 +20,7 @@ from moe.quant import formats
 from moe.quant.codec import Codec, Layout, QuantFormat
 from moe.quant.linear import QuantLinear
 from moe.quant.packed import PackedExperts, PackedWeight
-from moe.quant.prepacked import Prepacked, PrepackedLinear
+from moe.quant.kernels.prepacked import Prepacked, PrepackedLinear
 from moe.quant.swap import swap_modules
 
 __all__ = ["Codec", "Layout", "PackedExperts", "PackedWeight", "Prepacked", "PrepackedLinear", "QuantFormat", "QuantLinear",

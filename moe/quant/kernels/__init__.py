@@ -1,17 +1,23 @@
-"""Low-level compute kernels for the packed modules, and the seam that picks one.
+"""The MoE's kernel seam: compute kernels, and the operations that pick one beside their PyTorch reference.
 
-    bf16.py     bf16 matrix products for the prepacked modules (CPU): the extension's dot-product kernel on a
-                plain copy of the weight for decode rows, or oneDNN (onednn.py) on its blocked layout
-    onednn.py   bf16 matrix products on prepacked oneDNN weights (CPU)
-    cpu.py      FP8 / NVFP4 / MXFP4 products straight from the packed bytes (CPU; the C++ extension
-                cpu_packed.cpp, compiled on first use)
-    amx.py      the same products for prefill-sized bf16 inputs on CPUs with AMX (cpu_amx.cpp: slabs decoded to
-                bf16, multiplied by oneDNN's AMX micro-kernel; chosen inside cpu.py), and bf16 experts' (bf16.py)
-    triton.py   fused dequantize-matmul for FP8 / NVFP4 weights, plain or grouped by expert (CUDA)
+    experts.py    the routed experts: `dispatch` (the reference), `packed_experts` (packed stacks: fused Triton,
+                  the CPU extension's grouped products, or the reference)
+    routing.py    the router: `route` (the reference), `topk_route` (a decode step's rows in one C++ call,
+                  cpu_router.cpp)
+    prepacked.py  modules holding bf16 weights in bf16.py's layout (PrepackedLinear, PrepackedExpertBank)
+    bf16.py       bf16 matrix products for the prepacked modules (CPU): the extension's dot-product kernel on a
+                  plain copy of the weight for decode rows, or oneDNN (onednn.py) on its blocked layout
+    onednn.py     bf16 matrix products on prepacked oneDNN weights (CPU)
+    cpu.py        FP8 / NVFP4 / MXFP4 products straight from the packed bytes (CPU; the C++ extension
+                  cpu_packed.cpp, compiled on first use)
+    amx.py        the same products for prefill-sized bf16 inputs on CPUs with AMX (cpu_amx.cpp: slabs decoded to
+                  bf16, multiplied by oneDNN's AMX micro-kernel; chosen inside cpu.py), and bf16 experts' (bf16.py)
+    triton.py     fused dequantize-matmul for FP8 / NVFP4 weights, plain or grouped by expert (CUDA)
 
 The PyTorch reference (dequantize the weight, then an ordinary matmul) is what runs wherever no kernel
-applies; every kernel is tested against it. `packed_linear` is the choice for one packed matrix (what
-`QuantLinear` calls). Private PyTorch operators appear only in these modules (each
+applies; every kernel is tested against it. `packed_linear` below is the choice for one packed matrix (what
+`QuantLinear` calls). Modules outside these seams call the operations; only here is it asked which kernel runs
+(tests/test_architecture.py). Private PyTorch operators appear only in these modules (each
 module's docstring names the ones it uses; `docs/architecture.md` lists them all).
 """
 

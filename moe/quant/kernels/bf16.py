@@ -1,5 +1,5 @@
-"""bf16 matrix products on the CPU for the prepacked modules (`moe.quant.prepacked.PrepackedLinear`,
-`moe.experts.PrepackedExpertBank`): `x @ W.T (+ bias)`, bf16 operands, fp32 sums, bf16 result.
+"""bf16 matrix products on the CPU for the prepacked modules (`moe.quant.kernels.prepacked`: `PrepackedLinear`,
+`PrepackedExpertBank`): `x @ W.T (+ bias)`, bf16 operands, fp32 sums, bf16 result.
 
 A weight is stored, once, in one of two forms (`pack`), and every product dispatches on the form:
 

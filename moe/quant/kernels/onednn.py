@@ -4,8 +4,8 @@ Why: on an AVX-512-BF16 CPU, oneDNN's inner-product primitive on a prepacked wei
 than eager `x @ W.T` with a bf16 weight when x is a single row (decode), more so for larger matrices, and
 runs prompt-sized GEMMs fast too (docs/perf-log.md#onednn-prepacked; `scripts/bench.py` shows the effect
 on whole models). This is the path PyTorch's inductor takes for frozen bf16 linears on CPU.
-It is one of the two stored forms of the prepacked modules (`moe.quant.prepacked.PrepackedLinear`,
-`moe.experts.PrepackedExpertBank`; `moe.quant.kernels.bf16` picks): the one for CPUs without this project's
+It is one of the two stored forms of the prepacked modules (`moe.quant.kernels.prepacked`'s `PrepackedLinear`,
+`PrepackedExpertBank`; `moe.quant.kernels.bf16` picks): the one for CPUs without this project's
 bf16 dot-product kernel, which reads Nano's matrices from DRAM faster than this path at one row
 (docs/perf-log.md#bf16-decode-kernel).
 

@@ -1,7 +1,8 @@
 """Modules whose bf16 weights are held prepacked for CPU inference (`moe.quant.kernels.bf16`: as a plain copy
-for this project's dot-product kernel where the CPU has it, else in oneDNN's blocked layout).
+for this project's dot-product kernel where the CPU has it, else in oneDNN's blocked layout). They hold that
+kernel's layout, so they live beside it; `moe.prepack` swaps them in at load and back to the plain modules.
 
-`Prepacked` is what every such module shares (`PrepackedLinear` here, `moe.experts.PrepackedExpertBank`):
+`Prepacked` is what every such module shares (`PrepackedLinear`, `PrepackedExpertBank`):
 the math is that of the plain module it replaces (bf16 inputs and weights, fp32 accumulation, bf16 output;
 only the summation order inside a dot product differs), and the packed weight is the only copy kept.
 `state_dict()` and the weight attributes still give the dense tensors under the plain module's names (read
@@ -18,12 +19,12 @@ import torch
 from torch import nn
 
 from moe.quant.kernels import bf16
+from moe.quant.kernels.experts import cat, dispatch
 
 
 class Prepacked(nn.Module):
     """The interface of a module holding prepacked bf16 weights: `dense_shapes()` names the dense tensors
-    it stands for, `dense_tensors()` reads them back one at a time, `repack(name, dense)` replaces one,
-    `to_plain()` gives the plain module back."""
+    it stands for, `dense_tensors()` reads them back one at a time, `repack(name, dense)` replaces one."""
 
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:
         """{name: shape} of the dense bf16 tensors the packed ones stand for (as the plain module names them)."""
@@ -35,10 +36,6 @@ class Prepacked(nn.Module):
 
     def repack(self, name: str, dense: torch.Tensor) -> None:
         """Replace the packed form of dense tensor `name` (bf16, of the shape `dense_shapes` gives)."""
-        raise NotImplementedError
-
-    def to_plain(self) -> nn.Module:
-        """The plain module with these weights (dense copies)."""
         raise NotImplementedError
 
     def dense_pieces(self) -> Iterator[tuple[str, tuple[int, ...], Iterator[torch.Tensor]]]:
@@ -103,13 +100,6 @@ class PrepackedLinear(Prepacked):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return bf16.linear(x, self.packed, self.bias)
 
-    def to_plain(self) -> nn.Linear:
-        """The `nn.Linear` with these weights (dense copies)."""
-        with torch.device("meta"):  # built empty, then given the dense weights
-            plain = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        plain.weight, plain.bias = nn.Parameter(self.weight), self.bias
-        return plain
-
     def dense_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"weight": (self.out_features, self.in_features)}
 
@@ -121,3 +111,57 @@ class PrepackedLinear(Prepacked):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class PrepackedExpertBank(Prepacked):
+    """An inference-only `moe.experts.ExpertBank` (bf16, CPU) holding each expert's two matrices prepacked.
+
+    Shapes as `ExpertBank`: x [T, L], weights [T, k] fp32, ids [T, k] -> [T, L] bf16 (summed in fp32). The ReLU
+    of squared ReLU is fused into the up projection.
+    """
+
+    def __init__(self, source: nn.Module, experts: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """Pack the experts of `source` (an `ExpertBank`), or the (up [I, L], down [L, I]) bf16 pairs `experts`
+        yields when given (`source` may then be on meta): one expert at a time, so a loader can hand over each
+        and drop it."""
+        super().__init__()
+        self.n_experts = source.n_experts
+        self.shapes = {"up_proj": tuple(source.up_proj.shape), "down_proj": tuple(source.down_proj.shape)}
+        self.up, self.down = [], []
+        for up, down in experts if experts is not None else (source.weights_of(e) for e in range(self.n_experts)):
+            self.up.append(bf16.pack(up))
+            self.down.append(bf16.pack(down))
+
+    @property
+    def up_proj(self) -> torch.Tensor:
+        """[E, I, L] dense (a copy)."""
+        return torch.stack([bf16.unpack(w) for w in self.up])
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        """[E, L, I] dense (a copy)."""
+        return torch.stack([bf16.unpack(w) for w in self.down])
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return dispatch(x, weights, ids, self.n_experts, lambda e, part: bf16.linear(
+            bf16.linear(part, self.up[e], relu=True).square(), self.down[e]), self._group)
+
+    def _group(self, chosen: list[int], xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Experts `chosen` over their inputs `xs`: their up projections in one kernel call, then the downs
+        (`bf16.linear_group`: one call while every input has at most `DECODE_ROWS` rows, else one each)."""
+        h = cat(bf16.linear_group(xs, [self.up[e] for e in chosen], relu=True)).square()
+        return bf16.linear_group(list(h.split([x.shape[0] for x in xs])), [self.down[e] for e in chosen])
+
+    def dense_pieces(self):
+        """(name, [E, out, in], its E experts' dense weights one at a time), for `up_proj` and `down_proj`."""
+        for name, packs in (("up_proj", self.up), ("down_proj", self.down)):
+            yield name, self.shapes[name], (bf16.dense(w) for w in packs)
+
+    def dense_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.shapes
+
+    def dense_tensor(self, name: str) -> torch.Tensor:
+        return self.up_proj if name == "up_proj" else self.down_proj
+
+    def repack(self, name: str, dense: torch.Tensor) -> None:
+        setattr(self, "up" if name == "up_proj" else "down", [bf16.pack(w) for w in dense])
