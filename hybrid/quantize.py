@@ -162,6 +162,9 @@ class _FileExpertBank(ExpertBank):
     def weights_of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read(e, "up_proj", self.shapes["up_proj"]), self.read(e, "down_proj", self.shapes["down_proj"])
 
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.dispatch_each(x, weights, ids)  # expert by expert, each read when chosen
+
 
 def _read_expert(files: CheckpointFiles, bank: str, e: int, proj: str, shape, dtype, model) -> torch.Tensor:
     """Expert e's float `proj` weight from the files (per-expert or already stacked), pages released."""

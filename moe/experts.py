@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from moe.quant.codec import QuantFormat
-from moe.quant.kernels.experts import dispatch, expert_linear, packed_experts, relu2
+from moe.quant.kernels.experts import dense_experts, dispatch, expert_linear, packed_experts, relu2
 from moe.quant.packed import PackedWeight
 
 
@@ -40,10 +40,14 @@ class ExpertBank(nn.Module):
 
     def weights_of(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (up [I, L], down [L, I]). A bank whose experts live elsewhere (streamed from files)
-        overrides this; the forward and calibration read experts only through it."""
+        overrides this and runs its forward by `dispatch_each`; calibration reads experts only through it."""
         return self.up_proj[e], self.down_proj[e]
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return dense_experts(x, weights, ids, self.up_proj, self.down_proj)
+
+    def dispatch_each(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The forward by `dispatch` over `weights_of` (the reference), for a bank whose experts live elsewhere."""
         def expert(e: int, part: torch.Tensor) -> torch.Tensor:
             up, down = self.weights_of(e)
             return relu2(part @ up.T) @ down.T

@@ -309,6 +309,47 @@ def check_conv_step(device: torch.device, w: Widths, dtype: str) -> dict[str, fl
     return {"out": rel_error(out, want), "window": rel_error(on_device, want_window)}
 
 
+def _ssd_step_float64(x, dt, A, B, C, state):
+    """One recurrent SSD step in float64 (state updated in place): x [b, h, p], dt [b, h], A [h], B / C [b, g, n],
+    state [b, h, p, n] -> y [b, h, p] (without the D skip); head i reads group i // (h / g)."""
+    heads = x.shape[1] // B.shape[1]
+    Bh, Ch = (t.double().repeat_interleave(heads, 1)[:, :, None, :] for t in (B, C))
+    dt = dt.double()
+    state.mul_(torch.exp(dt * A.double())[..., None, None]).add_((x.double() * dt[..., None])[..., None] * Bh)
+    return (state * Ch).sum(-1)
+
+
+def check_mamba_decode_step(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:
+    """`hybrid.ops.mamba_decode_step` (this project's Triton kernels on a GPU: conv step and SSD step over the
+    state slots) for `w.batch` sequences in rows of a pool of twice as many, in a scrambled order, against the
+    specification (`hybrid.ops.decode`) in float64; rows of other sequences must stay as they were."""
+    from hybrid.ops import conv1d, decode, mamba_decode_step
+
+    g = torch.Generator().manual_seed(7)
+    dt_ = DTYPES[dtype]
+    S, R, nh, P, N, G, K = w.batch, 2 * w.batch, w.heads, w.head_dim, w.state, w.groups, w.conv_kernel
+    xBC = torch.randn(S, w.conv_dim, generator=g).to(dt_)
+    dt = torch.randn(S, nh, generator=g).to(dt_)
+    conv = torch.randn(R, w.conv_dim, K - 1, generator=g).to(dt_)
+    state = torch.randn(R, nh, P, N, generator=g)
+    index = torch.randperm(R, generator=g)[:S]
+    weight = (torch.randn(w.conv_dim, K, generator=g) * 0.5).to(dt_)
+    bias = torch.randn(w.conv_dim, generator=g).to(dt_)
+    dt_bias, A, D = torch.randn(nh, generator=g), -torch.rand(nh, generator=g) * 4, torch.randn(nh, generator=g)
+    limit = (0.0, float("inf"))
+    want_conv, want_state = conv.double(), state.double()
+    want = decode.mamba_decode_step(xBC.double(), dt.double(), want_conv, want_state, index, weight.double(),
+                                    bias.double(), dt_bias.double(), A.double(), D.double(), limit, nh * P, G,
+                                    conv1d.causal_conv1d_update, _ssd_step_float64)
+    on = {n: t.to(device) for n, t in dict(conv=conv, state=state).items()}
+    y = mamba_decode_step(xBC.to(device), dt.to(device), on["conv"], on["state"], index.to(device), weight.to(device),
+                          bias.to(device), dt_bias.to(device), A.to(device), D.to(device), limit, nh * P, G)
+    others = [r for r in range(R) if r not in index.tolist()]
+    untouched = torch.equal(on["state"][others].cpu(), state[others]) and torch.equal(on["conv"][others].cpu(), conv[others])
+    return {"y": rel_error(y, want), "state": rel_error(on["state"], want_state),
+            "window": rel_error(on["conv"], want_conv), "other rows": 0.0 if untouched else float("inf")}
+
+
 def check_rms_norm(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:
     """`hybrid.ops.rms_norm` over `w.hidden` against `hybrid.ops.norm.rms_norm` in float64."""
     from hybrid import ops
@@ -471,7 +512,7 @@ def check_experts(device: torch.device, w: Widths, dtypes: list[str]) -> list[di
 
 # name -> check(device, widths, dtype) -> {output: relative error}; the experts have their own (`check_experts`)
 KERNEL_CHECKS = {"ssd_scan": check_ssd_scan, "ssd_step": check_ssd_step, "conv_step": check_conv_step,
-                 "rms_norm": check_rms_norm, "gated_rms_norm": check_gated_rms_norm, "attention": check_attention}
+                 "mamba_decode_step": check_mamba_decode_step, "rms_norm": check_rms_norm, "gated_rms_norm": check_gated_rms_norm, "attention": check_attention}
 
 
 @torch.inference_mode()

@@ -211,8 +211,9 @@ def test_private_torch_operators_are_listed_in_the_architecture_doc():
 
 # ------------------------------------------------------------------------------------------ kernel choices
 SEAMS = ("hybrid/ops/", "moe/quant/kernels/")  # where an operation picks its kernel
-KERNEL_QUESTIONS = {"is_cuda", "cpu_for", "triton_for", "cpu_kernels", "gpu_path"}  # asked of a forward's tensors
-KERNEL_MODULES = re.compile(r"^(hybrid\.ops\.cpu|moe\.quant\.kernels\.(cpu|triton|bf16|amx|onednn|build))$")
+KERNEL_QUESTIONS = {"is_cuda", "cpu_for", "triton_for", "triton_kernels", "cpu_kernels", "gpu_path"}  # asked of a forward's tensors
+KERNEL_MODULES = re.compile(r"^(hybrid\.ops\.(cpu|triton_mamba|triton_attention)"
+                            r"|moe\.quant\.kernels\.(cpu|triton|bf16|amx|onednn|build))$")
 # not in a forward: they build the kernels ahead, name what runs on a device, or prepack weights at load
 LOAD_TIME = {"hybrid/cli.py", "hybrid/devices.py", "hybrid/loading.py", "moe/prepack.py"}
 

@@ -17,7 +17,7 @@ from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E
 
 @driver
 def test_the_gpu_path_in_the_interpreter():
-    run_in_interpreter(__file__, "6 passed, 1 skipped")
+    run_in_interpreter(__file__, "9 passed, 1 skipped")
 
 
 import hybrid  # noqa: E402
@@ -109,3 +109,83 @@ def test_the_engine_on_the_gpu_path_serves_the_cpu_paths_tokens(packed, gpu_path
     assert gpu_path
     with backend.override("auto"):
         assert got == serve()
+
+
+# ------------------------------------------------------------------------------------------ host round trips
+HOST_READS = ("tolist", "item", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _host_reads_in_layers(model, step) -> list[str]:
+    """The reads of a tensor's values into Python (`.tolist()`, `.item()`, `bool(t)`, ...: each a host
+    synchronisation on a GPU) that this project's code makes inside the model's layers during `step()`, as
+    "file:line method"."""
+    import sys
+    from pathlib import Path
+
+    root = Path(hybrid.__file__).resolve().parents[1]
+    project = (str(root / "hybrid"), str(root / "moe"))
+    inside, seen = [False], []
+    real = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def spy(name):
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1)
+            if inside[0] and caller.f_code.co_filename.startswith(project):
+                seen.append(f"{Path(caller.f_code.co_filename).relative_to(root)}:{caller.f_lineno} {name}")
+            return real[name](self, *args, **kwargs)
+        return read
+
+    def enter(*_):
+        inside[0] = True
+
+    def leave(*_):
+        inside[0] = False
+
+    hooks = [h for layer in model.backbone.layers
+             for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
+    try:
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, spy(name))
+        step()
+    finally:
+        for name, method in real.items():
+            setattr(torch.Tensor, name, method)
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _decode_step_reads(directory) -> list[str]:
+    """16 requests through the engine until every one decodes; then the host reads of one decode step."""
+    model = hybrid.load_model(directory)
+    engine = Engine(model, num_blocks=128, max_num_seqs=16, max_num_batched_tokens=256)
+    g = torch.Generator().manual_seed(4)
+    for n in range(16):
+        engine.add_request(torch.randint(5, 320, (3 + n,), generator=g).tolist(), SamplingParams(temperature=0),
+                           max_tokens=8)
+    engine.step()  # every prompt in one step
+    engine.step()  # the first decode step (kernels warmed)
+    reads = _host_reads_in_layers(model, engine.step)
+    assert engine.last_step.num_seqs == 16 and engine.last_step.num_tokens == 16  # a pure decode step
+    return reads
+
+
+@needs_interpreter
+def test_a_packed_decode_step_reads_nothing_back_inside_the_layers(packed, gpu_path):
+    """A decode step of 16 sequences on the Triton path (FP8 / NVFP4 weights): no layer reads a tensor's values
+    into Python, so on a GPU no layer waits for the device (what CUDA graphs need)."""
+    assert _decode_step_reads(packed) == []
+    assert gpu_path
+
+
+@needs_interpreter
+def test_a_float_decode_step_reads_nothing_back_inside_the_layers(tmp_path, gpu_path, monkeypatch):
+    """The same for a float model: its experts through the grouped dense kernel."""
+    from moe.quant.kernels import triton
+
+    launches = []
+    real = triton.grouped_dense_matmul
+    monkeypatch.setattr(triton, "grouped_dense_matmul", lambda *a, **k: launches.append(1) or real(*a, **k))
+    directory = write_checkpoint(tmp_path / "float", pattern="M*MEME", seed=5, **SHAPES)
+    assert _decode_step_reads(directory) == []
+    assert launches

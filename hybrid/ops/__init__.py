@@ -27,7 +27,8 @@ from hybrid.ops import decode as _decode
 from hybrid.ops import norm as _norm
 from hybrid.ops import prefill as _prefill
 from hybrid.ops import ssd as _ssd
-from hybrid.ops.attention import causal_attention, decode_attention, one_query_attention, paged_decode_attention
+from hybrid.ops.attention import (causal_attention, decode_attention, one_query_attention, paged_decode_attention,
+                                  triton_attention_module)
 from hybrid.ops.conv1d import causal_conv1d
 from moe.quant.kernels import backend
 
@@ -64,6 +65,12 @@ def _causal_conv1d():
 _PACKAGES = {_mamba_ssm: "mamba-ssm", _causal_conv1d: "causal-conv1d"}
 
 
+def _triton_mamba():
+    from hybrid.ops import triton_mamba
+
+    return triton_mamba
+
+
 def import_error(package: str) -> str | None:
     """Why `package` ("mamba-ssm" or "causal-conv1d") does not import (its exception, one line), or None when
     it does. Tries the import on the first call."""
@@ -92,9 +99,13 @@ def kernel_status(gpu_path: bool) -> dict[str, str]:
                 return " + ".join(names)
             return "PyTorch (" + "; ".join(f"{name} does not import: {e}" for name, e in errors.items() if e) + ")"
 
+        step = "Triton (hybrid.ops.triton_mamba, over the state slots)" if _triton_mamba().available() else \
+            packages("mamba-ssm", "causal-conv1d")
         return {"Mamba-2 prompt scan": packages("mamba-ssm"),
-                "Mamba-2 decode step": packages("mamba-ssm", "causal-conv1d"),
-                "RMSNorm": "PyTorch", "decode attention": "PyTorch (scaled_dot_product_attention)"}
+                "Mamba-2 decode step": step,
+                "RMSNorm": "PyTorch",
+                "decode attention": "Triton (hybrid.ops.triton_attention, over the paged pool)"
+                if triton_attention_module().available() else "PyTorch (each sequence's rows gathered)"}
 
     def built(ext, what):
         return f"C++ ({what})" if ext is not None else "PyTorch (the C++ kernel did not build or is disabled)"
@@ -153,7 +164,14 @@ def mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, ti
         weight: [conv_dim, K] conv taps; bias: [conv_dim] or None; dt_bias, A (= -exp(A_log)), D: [nh].
     Returns:
         y [S, nh, P] fp32 (the D skip included), what the gated norm reads.
+
+    Kernels: on the GPU path this project's Triton kernels (`triton_mamba.py`: two launches for all S, no host
+    round trip), on the CPU the C++ kernel (`cpu_mamba.cpp`), else the specification (`decode.py`, with the
+    mamba-ssm / causal-conv1d steps where they import).
     """
+    if (kernels := backend.triton_kernels(xBC, _triton_mamba)) is not None and ssm.dtype == torch.float32 and ssm.stride(-1) == 1:
+        return kernels.mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, time_step_limit,
+                                         d_inner, n_groups)
     ext = _cpu.module() if backend.cpu_kernels(xBC) and xBC.dtype in (torch.float32, torch.bfloat16) else None
     if ext is not None and conv.is_contiguous() and ssm.is_contiguous() and ssm.dtype == torch.float32 \
             and conv.dtype == xBC.dtype:

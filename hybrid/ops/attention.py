@@ -6,8 +6,9 @@
   CPU through the C++ kernel (`one_query_attention`), everything else through
   `torch.nn.functional.scaled_dot_product_attention`.
 - `paged_decode_attention`: one query per sequence over its rows of a paged KV pool (the serving engine's decode
-  tokens): on the CPU the kernel's paged entry reads the rows where they lie (no gathered copy); elsewhere each
-  sequence's rows are gathered and go through `decode_attention`.
+  tokens): on the CPU the kernel's paged entry and on the GPU path the Triton kernel (`triton_attention.py`) read
+  the rows where they lie (no gathered copy); elsewhere each sequence's rows are gathered and go through
+  `decode_attention`.
 """
 
 from __future__ import annotations
@@ -70,14 +71,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, **gqa)
 
 
+def triton_attention_module():
+    """`hybrid.ops.triton_attention` (imported on the first call: CPU runs never import triton)."""
+    from hybrid.ops import triton_attention
+
+    return triton_attention
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            rows: list[torch.Tensor]) -> torch.Tensor:
     """One query per sequence over its rows of a paged pool: q [n, nq, hd], k_pool / v_pool [P, nkv, hd] (the
     pool's blocks flattened), rows[i] the pool rows of sequence i's positions in order (int64) -> [n, nq, hd]
-    fp32. The CPU kernel's paged entry reads the rows in place; elsewhere they are gathered per sequence."""
+    fp32. The CPU kernel's paged entry reads the rows in place, and on the GPU path this project's Triton kernel
+    (`triton_attention.py`, one launch); elsewhere the rows are gathered per sequence (the specification)."""
     ext = decode_kernel(q, k_pool)
     if ext is not None:
         return ext.paged_decode_attention(q, k_pool, v_pool, rows, q.shape[-1] ** -0.5)
+    if (kernels := backend.triton_kernels(q, triton_attention_module)) is not None and q.dtype == k_pool.dtype == \
+            v_pool.dtype and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1:
+        return kernels.paged_decode_attention(q, k_pool, v_pool, rows)
     outs = [decode_attention(q[i:i + 1, :, None].float(), k_pool[r].transpose(0, 1)[None],
                              v_pool[r].transpose(0, 1)[None]) for i, r in enumerate(rows)]
     return torch.cat(outs)[:, :, 0]

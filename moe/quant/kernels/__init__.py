@@ -57,7 +57,10 @@ def status(gpu_path: bool) -> dict[str, str]:
 
         fused = "Triton (moe.quant.kernels.triton, weights decoded in registers)" if triton.available() else \
             f"PyTorch: the weight dequantized per call (triton does not import: {triton.IMPORT_ERROR})"
-        return {"bf16 / fp16 / fp32 products": "PyTorch (torch.matmul)", "FP8 / NVFP4 products and experts": fused,
+        experts = "Triton (moe.quant.kernels.triton, grouped by expert)" if triton.available() else \
+            f"PyTorch: one product per chosen expert (triton does not import: {triton.IMPORT_ERROR})"
+        return {"bf16 / fp16 / fp32 products": "PyTorch (torch.matmul)", "bf16 / fp16 / fp32 experts": experts,
+                "FP8 / NVFP4 products and experts": fused,
                 "MXFP4 products and experts": "PyTorch: the weight dequantized per call (no fused kernel yet)"}
     from moe.quant.kernels import bf16, cpu
 

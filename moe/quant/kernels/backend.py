@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from types import ModuleType
 
 import torch
 
@@ -76,6 +77,29 @@ def override(name: str) -> Iterator[None]:
 def gpu_path(t: torch.Tensor) -> bool:
     """Whether operations on `t` take the GPU path (a CUDA tensor, or any tensor under HYBRID_BACKEND=triton)."""
     return t.is_cuda or triton_on_cpu()
+
+
+def triton_kernels(t: torch.Tensor, load: Callable[[], ModuleType]) -> ModuleType | None:
+    """The module of Triton kernels `load()` imports (one with `available()` and `IMPORT_ERROR`) when `t` takes
+    the GPU path and triton imports; None means: the operation's other path (which `fallback` forbids under
+    HYBRID_REQUIRE_CUDA_KERNELS=1). CPU runs never import the module.
+
+    Raises:
+        KernelUnavailable: triton does not import and HYBRID_REQUIRE_CUDA_KERNELS=1.
+    """
+    if not gpu_path(t):
+        return None
+    module = load()
+    if not module.available():
+        fallback("triton", module.IMPORT_ERROR)
+        return None
+    return module
+
+
+def launch_guard(device: torch.device) -> contextlib.AbstractContextManager:
+    """The device guard of a Triton launch: Triton launches on the current CUDA device, which need not be the
+    tensors' (a model on cuda:1); a no-op for CPU tensors (the interpreter)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def cpu_kernels(t: torch.Tensor) -> bool:

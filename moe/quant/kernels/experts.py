@@ -8,6 +8,8 @@
                       extension straight from the packed bytes (`cpu.py`, all chosen experts in one call per
                       projection), else `dispatch` over `expert_linear`'s per-expert products
     expert_linear     one expert's product from a packed stack: the CPU extension, else the dequantized weight
+    dense_experts     experts with dense float stacks: the grouped Triton kernels on the GPU path (no host round
+                      trip), else `dispatch`
 
 Experts are non-gated squared-ReLU MLPs, `y = down(relu2(up(x)))` (`relu2` here: the activation every expert
 kernel applies). The bf16 experts prepacked for the CPU run in `prepacked.py` on `dispatch` and `bf16.py`.
@@ -34,12 +36,14 @@ def cat(ts: list[torch.Tensor]) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------ the reference
-def sort_by_expert(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids [T, k] -> (order of the flattened pairs sorted by expert (stable), the token of each sorted pair,
-    tokens per expert [E])."""
+def sort_by_expert(ids: torch.Tensor, bins: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [T, k] in [0, bins) -> (order of the flattened pairs sorted by expert (stable), the token of each
+    sorted pair, pairs per bin [bins]); counted by a scatter of fixed size (`bincount` would read the largest id
+    back to the host)."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    return order, order // ids.shape[1], torch.bincount(flat, minlength=n_experts)
+    return order, order // ids.shape[1], torch.zeros(bins, dtype=flat.dtype, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, T: int,
@@ -84,7 +88,7 @@ def dispatch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_expert
     inside = (ids >= 0) & (ids < n_experts)
     if not bool(inside.all()):
         ids = ids.masked_fill(~inside, n_experts)  # sorted last, never run
-    order, token_of, counts = sort_by_expert(ids, n_experts)
+    order, token_of, counts = sort_by_expert(ids, n_experts + 1)  # the last bin: the pairs skipped
     counts = counts.tolist()[:n_experts]
     m = sum(counts)
     if m == 0:
@@ -140,21 +144,38 @@ def _cpu_group(chosen: list[int], xs: list[torch.Tensor], up, down) -> list[torc
     return list(y.split(sizes))
 
 
+def dense_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+                  ) -> torch.Tensor:
+    """The routed experts over x [T, L] with weights [T, k] fp32 and ids [T, k] -> [T, L] in x's dtype, for dense
+    float stacks `up` [E, I, L] and `down` [E, L, I]: on the GPU path both projections of all chosen experts in
+    two grouped Triton launches without a host round trip (`fused_experts`), else `dispatch` over each chosen
+    expert's two products (the reference).
+
+    Raises:
+        KernelUnavailable: the GPU path without triton under HYBRID_REQUIRE_CUDA_KERNELS=1.
+    """
+    if kernels.triton_for(x) is not None and not (torch.is_grad_enabled() and (x.requires_grad or up.requires_grad)):
+        return fused_experts(x, weights, ids, up, down)
+    return dispatch(x, weights, ids, up.shape[0], lambda e, part: relu2(part @ up[e].T) @ down[e].T)
+
+
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, up, down) -> torch.Tensor:
-    """`packed_experts` with both projections of all chosen experts in two grouped Triton launches (weights
-    decoded in registers; `moe.quant.kernels.triton`), without a host round trip. Needs triton and two packed
-    stacks in formats it supports.
+    """`packed_experts` / `dense_experts` with both projections of all chosen experts in two grouped Triton
+    launches (packed weights decoded in registers, dense ones read as they are; `moe.quant.kernels.triton`),
+    without a host round trip. Needs triton, and two packed stacks in formats it supports or two dense stacks.
 
     Pairs whose id lies outside [0, E) (experts another rank holds) are skipped as `dispatch` skips them:
     sorted after every expert here, given no row tile, and left out of the sum.
     """
     from moe.quant.kernels import triton
 
-    E = up.n_experts
+    dense = isinstance(up, torch.Tensor)
+    matmul = triton.grouped_dense_matmul if dense else triton.grouped_matmul
+    E = up.shape[0] if dense else up.n_experts
     inside = (ids >= 0) & (ids < E)
     ids = torch.where(inside, ids, E)  # one bin past the last expert
     order, token_of, counts = sort_by_expert(ids, E + 1)
-    tiles = triton.row_tiles(counts[:E])  # rows of the bin past E: no tile, never computed
-    h = triton.grouped_matmul(x[token_of], up, tiles)
-    y = triton.grouped_matmul(relu2(h), down, tiles)
+    tiles = triton.row_tiles(counts[:E], max_rows=token_of.shape[0])  # the bin past E: no tile, never computed
+    h = matmul(x[token_of], up, tiles)
+    y = matmul(relu2(h), down, tiles)
     return combine(y, weights, order, token_of, ids.shape[0], x.dtype, valid=inside.reshape(-1)[order])

@@ -1,4 +1,5 @@
-"""Triton kernels that fuse dequantization into the matmul: FP8 and NVFP4 weights, plain or grouped by expert.
+"""Triton kernels that fuse dequantization into the matmul: FP8 and NVFP4 weights, plain or grouped by expert (and
+dense float expert stacks grouped the same way: `grouped_dense_matmul`).
 
 One kernel computes `out[rows] = x[rows] @ dequant(W_e).T` for row tiles that each belong to one weight
 `W_e` of a stack (a plain Linear is a stack of one). Each program loads a [BLOCK_N, BLOCK_K] tile of the
@@ -20,8 +21,6 @@ Tested on the CPU with `TRITON_INTERPRET=1` against the PyTorch path (tests/test
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 IMPORT_ERROR = ""  # why triton did not import (`moe.quant.kernels.backend.fallback` names it)
@@ -34,9 +33,11 @@ except ImportError as e:  # triton is optional (the `cuda` extra)
 from moe.quant.e2m1 import E2M1_VALUES
 from moe.quant.e4m3 import e4m3_value
 from moe.quant.codec import QuantFormat
+from moe.quant.kernels import backend
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 KERNEL_KINDS = {"fp8": 0, "nvfp4": 1}  # codec name -> the kernel's KIND (how it decodes a weight tile)
+DENSE_KIND = 2  # a weight tile read as it is (bf16 / fp16 / fp32 experts)
 
 
 def available() -> bool:
@@ -73,12 +74,15 @@ if triton is not None:
         s_base = s_ptr + e * stride_se
         if KIND == 1:
             g = tl.load(g_ptr + e)
-        for k0 in range(0, K, BK):
+        k_end = tl.where(row1 > row0, K, 0)  # an empty tile (past `row_tiles`' real ones) reads nothing
+        for k0 in range(0, k_end, BK):
             ks = k0 + tl.arange(0, BK)
             k_ok = ks < K
             x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wmask = col_ok[:, None] & k_ok[None, :]
-            if KIND == 0:
+            if KIND == 2:  # a dense weight in a float dtype
+                w = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=wmask, other=0.0)
+            elif KIND == 0:
                 bits = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :], mask=wmask, other=0)
                 value = tl.load(e4m3_lut + bits.to(tl.int32))
                 sidx = (cols[:, None] // sbn) * stride_sn + (ks[None, :] // sbk) * stride_sk
@@ -144,7 +148,7 @@ def grouped_matmul(x: torch.Tensor, proj, tiles: tuple[torch.Tensor, torch.Tenso
     e4m3_lut, e2m1_lut = _luts(x.device)
     expert, start, end = tiles
     grid = (expert.numel(), triton.cdiv(N, BLOCK_N))
-    with _on(x.device):
+    with backend.launch_guard(x.device):
         _packed_matmul_kernel[grid](
             x, out, w, scale, g, e4m3_lut, e2m1_lut, expert, start, end,
             N, K, x.stride(0), out.stride(0),
@@ -155,28 +159,58 @@ def grouped_matmul(x: torch.Tensor, proj, tiles: tuple[torch.Tensor, torch.Tenso
     return out
 
 
-def _on(device: torch.device):
-    """The launch's device guard: Triton launches on the current CUDA device, which need not be the tensors'
-    (a model on cuda:1)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+def grouped_dense_matmul(x: torch.Tensor, weight: torch.Tensor,
+                         tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [M, K] (rows grouped by weight) -> [M, N] in x's dtype: each row tile (expert, start, end) times
+    weight[expert].T, for a dense stack `weight` [E, N, K] in a float dtype (its elements converted to x's dtype
+    in registers; fp32 sums)."""
+    E, N, K = weight.shape
+    x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    expert, start, end = tiles
+    grid = (expert.numel(), triton.cdiv(N, BLOCK_N))
+    with backend.launch_guard(x.device):
+        _packed_matmul_kernel[grid](
+            x, out, weight, weight, weight, weight, weight, expert, start, end,
+            N, K, x.stride(0), out.stride(0), weight.stride(0), weight.stride(1), 0, 0, 0, 1, 1,
+            KIND=DENSE_KIND, DIVISOR=False, IEEE=x.dtype == torch.float32, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        )
+    return out
 
 
-def row_tiles(counts: torch.Tensor, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-expert row counts [E] -> (expert [tiles], start [tiles], end [tiles]) int32, rows grouped by expert."""
-    ends = torch.cumsum(counts, 0)
-    starts = ends - counts
+def row_tiles(counts: torch.Tensor, block_m: int = BLOCK_M, max_rows: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-expert row counts [E] (a device tensor) -> (expert [tiles], start [tiles], end [tiles]) int32, rows
+    grouped by expert, every expert's rows in tiles of `block_m`.
+
+    Without a read of `counts` on the host: the number of tiles is the bound ceil(max_rows / block_m) + min(E,
+    max_rows) (`max_rows`: the rows' total, a shape the caller knows; by default read from `counts`), and the
+    tiles past the real ones are empty (start == end: the kernel skips them), so no step waits for the device.
+    """
+    E = counts.numel()
+    if max_rows is None:
+        max_rows = int(counts.sum())
     n_tiles = (counts + block_m - 1) // block_m
-    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), n_tiles)
-    first = torch.repeat_interleave(torch.cumsum(n_tiles, 0) - n_tiles, n_tiles)
-    local = torch.arange(expert.numel(), device=counts.device) - first
-    start = starts[expert] + local * block_m
-    return expert.int(), start.int(), ends[expert].int()
+    last = torch.cumsum(n_tiles, 0)  # one past each expert's last tile
+    ends = torch.cumsum(counts, 0)
+    t = torch.arange(-(-max_rows // block_m) + min(E, max_rows), device=counts.device)
+    expert = torch.searchsorted(last, t, right=True)  # the first expert whose tiles reach past t
+    real = expert < E
+    expert = expert.clamp(max=E - 1)
+    local = t - (last[expert] - n_tiles[expert])
+    start = torch.where(real, ends[expert] - counts[expert] + local * block_m, 0)
+    end = torch.where(real, ends[expert], 0)
+    return expert.int(), start.int(), end.int()
 
 
 def linear(x: torch.Tensor, proj, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, dequant(W), bias)` for a `QuantLinear` (or any single `PackedWeight`), fused."""
     flat = x.reshape(-1, x.shape[-1])
-    tiles = row_tiles(torch.tensor([flat.shape[0]], device=x.device))
+    M = flat.shape[0]  # one weight: the tiles from the shape alone, made on the device
+    start = torch.arange(0, M, BLOCK_M, device=x.device, dtype=torch.int32)
+    tiles = (torch.zeros_like(start), start, torch.full_like(start, M))
     out = grouped_matmul(flat, proj, tiles)
     if bias is not None:
         out = out + bias

@@ -1,0 +1,148 @@
+"""This project's Triton kernels of `hybrid/ops` against their specifications, run by Triton's interpreter on the
+CPU in fp32 (how: tests/interpreter.py), and the seams taking them on the GPU path:
+
+- the Mamba-2 decode step over state slots (`triton_mamba.py`) against `hybrid/ops/decode.py` with the PyTorch
+  conv and SSD steps: sequences in rows of a pool given by an index in any order, head and state widths that
+  are not powers of two, with and without a conv bias and a dt limit; rows of other sequences untouched;
+- paged decode attention (`triton_attention.py`) against `decode_attention` over each sequence's gathered rows:
+  GQA groups and head sizes that are not powers of two, histories of one row to several key tiles, rows
+  scattered over the pool with holes; a sequence without rows refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E402
+
+
+@driver
+def test_the_kernels_in_the_interpreter():
+    run_in_interpreter(__file__, "8 passed, 1 skipped")
+
+
+import hybrid.ops as ops  # noqa: E402
+from hybrid.ops import conv1d, decode, ssd  # noqa: E402
+from hybrid.ops.attention import decode_attention  # noqa: E402
+from moe.quant.kernels import backend  # noqa: E402
+
+
+def _case(S, R, nh, P, N, G, K, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    d_inner = nh * P
+    channels = d_inner + 2 * G * N
+    return dict(
+        xBC=torch.randn(S, channels, generator=g), dt=torch.randn(S, nh, generator=g),
+        conv=torch.randn(R, channels, K - 1, generator=g), ssm=torch.randn(R, nh, P, N, generator=g),
+        index=torch.randperm(R, generator=g)[:S], weight=torch.randn(channels, K, generator=g) * 0.5,
+        bias=torch.randn(channels, generator=g) if bias else None, dt_bias=torch.randn(nh, generator=g),
+        A=-torch.rand(nh, generator=g) * 4, D=torch.randn(nh, generator=g)), d_inner
+
+
+def _spec(case, limit, d_inner, G):
+    c = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+    y = decode.mamba_decode_step(c["xBC"], c["dt"], c["conv"], c["ssm"], c["index"], c["weight"], c["bias"],
+                                 c["dt_bias"], c["A"], c["D"], limit, d_inner, G, conv1d.causal_conv1d_update,
+                                 ssd.ssd_step)
+    return y, c["conv"], c["ssm"]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("S, R, nh, P, N, G, K, bias, limit", [
+    (5, 8, 4, 16, 16, 2, 4, True, (0.0, float("inf"))),
+    (3, 3, 6, 12, 10, 3, 4, False, (0.001, 0.1)),  # every row, in another order; widths not powers of two
+    (1, 6, 2, 40, 24, 1, 3, True, (0.0, float("inf"))),  # head dim over several programs, a 3-tap conv
+])
+def test_the_decode_step_over_slots_equals_the_specification(S, R, nh, P, N, G, K, bias, limit):
+    from hybrid.ops import triton_mamba
+
+    case, d_inner = _case(S, R, nh, P, N, G, K, bias, seed=S * 7 + P)
+    want_y, want_conv, want_ssm = _spec(case, limit, d_inner, G)
+    conv, ssm = case["conv"].clone(), case["ssm"].clone()
+    y = triton_mamba.mamba_decode_step(case["xBC"], case["dt"], conv, ssm, case["index"], case["weight"],
+                                       case["bias"], case["dt_bias"], case["A"], case["D"], limit, d_inner, G)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conv, want_conv, rtol=0, atol=0)  # the window rolls exactly
+    torch.testing.assert_close(ssm, want_ssm, rtol=1e-5, atol=1e-5)
+    others = [r for r in range(R) if r not in case["index"].tolist()]
+    assert torch.equal(ssm[others], case["ssm"][others]) and torch.equal(conv[others], case["conv"][others])
+
+
+@needs_interpreter
+def test_the_seam_takes_the_kernels_on_the_gpu_path(monkeypatch):
+    """`hybrid.ops.mamba_decode_step` under HYBRID_BACKEND=triton launches the two kernels (once each for all
+    sequences) and gives the CPU path's result."""
+    from hybrid.ops import triton_mamba
+
+    case, d_inner = _case(4, 6, 4, 16, 16, 2, 4, True, seed=11)
+    limit = (0.0, float("inf"))
+    calls = []
+    real = triton_mamba.mamba_decode_step
+    monkeypatch.setattr(triton_mamba, "mamba_decode_step", lambda *a: calls.append(1) or real(*a))
+
+    def run():
+        conv, ssm = case["conv"].clone(), case["ssm"].clone()
+        y = ops.mamba_decode_step(case["xBC"], case["dt"], conv, ssm, case["index"], case["weight"], case["bias"],
+                                  case["dt_bias"], case["A"], case["D"], limit, d_inner, 2)
+        return y, conv, ssm
+
+    with backend.override("triton"):
+        got = run()
+    assert calls == [1]
+    want = run()  # the CPU path: the C++ kernel, or the specification
+    assert calls == [1]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ops.kernel_status(True)["Mamba-2 decode step"].startswith("Triton")
+
+
+# ------------------------------------------------------------------------------------------ paged attention
+def _paged_case(lengths, nq, nkv, hd, pool_rows, seed):
+    g = torch.Generator().manual_seed(seed)
+    k_pool = torch.randn(pool_rows, nkv, hd, generator=g)
+    v_pool = torch.randn(pool_rows, nkv, hd, generator=g)
+    q = torch.randn(len(lengths), nq, hd, generator=g)
+    rows = [torch.randperm(pool_rows, generator=g)[:n] for n in lengths]  # scattered, holes between them
+    return q, k_pool, v_pool, rows
+
+
+def _paged_spec(q, k_pool, v_pool, rows):
+    return torch.cat([decode_attention(q[i:i + 1, :, None], k_pool[r].transpose(0, 1)[None],
+                                       v_pool[r].transpose(0, 1)[None]) for i, r in enumerate(rows)])[:, :, 0]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("lengths, nq, nkv, hd", [
+    ([1, 5, 33, 70], 8, 2, 16),  # one row, a part tile, just past a tile, three tiles
+    ([64, 2, 31], 6, 2, 24),  # groups of 3 heads, a head size that is not a power of two
+    ([9], 4, 4, 32),  # no grouping (MHA)
+])
+def test_paged_decode_attention_equals_the_specification(lengths, nq, nkv, hd):
+    from hybrid.ops import triton_attention
+
+    q, k_pool, v_pool, rows = _paged_case(lengths, nq, nkv, hd, 96, seed=sum(lengths))
+    got = triton_attention.paged_decode_attention(q, k_pool, v_pool, rows)
+    torch.testing.assert_close(got, _paged_spec(q, k_pool, v_pool, rows), rtol=1e-5, atol=1e-5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+
+
+@needs_interpreter
+def test_paged_decode_attention_through_the_seam_and_its_errors(monkeypatch):
+    """`hybrid.ops.paged_decode_attention` takes the kernel on the GPU path (once for all sequences) with the CPU
+    path's result; a sequence without rows is refused by name."""
+    from hybrid.ops import triton_attention
+
+    q, k_pool, v_pool, rows = _paged_case([3, 40], 4, 2, 16, 64, seed=5)
+    calls = []
+    real = triton_attention.paged_decode_attention
+    monkeypatch.setattr(triton_attention, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    with backend.override("triton"):
+        got = ops.paged_decode_attention(q, k_pool, v_pool, rows)
+    assert calls == [1]
+    torch.testing.assert_close(got, ops.paged_decode_attention(q, k_pool, v_pool, rows), rtol=1e-5, atol=1e-5)
+    assert calls == [1]
+    assert ops.kernel_status(True)["decode attention"].startswith("Triton")
+    with pytest.raises(ValueError, match="sequence lengths"):
+        real(q, k_pool, v_pool, [rows[0], rows[1][:0]])
