@@ -455,7 +455,7 @@ def _experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 def check_experts(device: torch.device, w: Widths, dtypes: list[str]) -> list[dict]:
     """The routed experts (`moe.experts`): a float `ExpertBank` in bf16, and `QuantExpertBank.from_bank` of it in
-    FP8 / NVFP4 / MXFP4 run with inputs in each of `dtypes` (the fused Triton path on CUDA for FP8 and NVFP4), over
+    FP8 / NVFP4 / MXFP4 run with inputs in each of `dtypes` (the fused Triton path on CUDA for all three), over
     one token and `w.tokens` tokens with ids outside [0, E), against float64 (the bank's own bf16 or dequantized
     weights). One result per (bank, dtype)."""
     from torch import nn

@@ -12,13 +12,13 @@ from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E
 
 @driver
 def test_kernels_in_the_interpreter():
-    run_in_interpreter(__file__, "11 passed, 1 skipped", timeout=600)
+    run_in_interpreter(__file__, "17 passed, 1 skipped", timeout=600)
 
 from moe.experts import ExpertBank, QuantExpertBank  # noqa: E402
 from moe.quant.kernels.experts import fused_experts  # noqa: E402
 from moe.quant import QuantLinear  # noqa: E402
 from moe.quant.config import modelopt_format  # noqa: E402
-from moe.quant.formats import COMPRESSED_TENSORS  # noqa: E402
+from moe.quant.formats import COMPRESSED_TENSORS, GPT_OSS_MXFP4  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,9 @@ FORMATS = {
     "fp8-block": modelopt_format("FP8_PB_WO"),
     "nvfp4": modelopt_format("NVFP4"),
     "nvfp4-ct": COMPRESSED_TENSORS["nvfp4-pack-quantized"],
+    "mxfp4": modelopt_format("MXFP4"),
+    "mxfp4-ct": COMPRESSED_TENSORS["mxfp4-pack-quantized"],
+    "mxfp4-gpt-oss": GPT_OSS_MXFP4,  # the same bytes as [out, in/32, 16] blocks
 }
 
 
@@ -67,10 +70,10 @@ def _packed_bank(name: str, E: int, L: int, I: int, g: torch.Generator) -> Quant
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", ["fp8-tensor", "fp8-block", "nvfp4"])
+@pytest.mark.parametrize("name", ["fp8-tensor", "fp8-block", "nvfp4", "mxfp4", "mxfp4-gpt-oss"])
 def test_grouped_expert_kernel_equals_pytorch_path(kernels, name):
     g = torch.Generator().manual_seed(5)
-    E, L, I, T, k = 6, 64, 48, 21, 2
+    E, L, I, T, k = 6, 64, 96, 21, 2  # MXFP4 needs inputs in blocks of 32
     q = _packed_bank(name, E, L, I, g)
     x = torch.randn(T, L, generator=g)
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
@@ -82,12 +85,12 @@ def test_grouped_expert_kernel_equals_pytorch_path(kernels, name):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("name", ["fp8-tensor", "nvfp4"])
+@pytest.mark.parametrize("name", ["fp8-tensor", "nvfp4", "mxfp4"])
 def test_grouped_expert_kernel_skips_the_experts_of_other_ranks(kernels, name):
     """Under expert parallelism a rank's ids of experts another rank holds lie outside [0, E) (negative, or E and
     above): they add nothing, as in `dispatch`, instead of reading past the weight stack."""
     g = torch.Generator().manual_seed(7)
-    E, L, I, T, k = 4, 64, 48, 19, 3
+    E, L, I, T, k = 4, 64, 96, 19, 3
     q = _packed_bank(name, E, L, I, g)
     x = torch.randn(T, L, generator=g)
     ids = torch.randint(-3, 2 * E, (T, k), generator=g)  # about half of them elsewhere

@@ -1,9 +1,9 @@
 """The GPU code path on the CPU: `HYBRID_BACKEND=triton` sends CPU tensors down the path a CUDA tensor takes
 (this project's Triton kernels, run by Triton's interpreter; PyTorch where mamba-ssm and causal-conv1d do not
-import), so CI checks what a GPU runs: a tiny FP8 / NVFP4 model (hidden 64, 8 experts, every Linear packed) and
-the serving engine against the CPU path, in fp32 (the interpreter computes no bf16 dot), and the fail-loud
-switch `HYBRID_REQUIRE_CUDA_KERNELS=1`. The tests run in a fresh process under the interpreter
-(tests/interpreter.py).
+import), so CI checks what a GPU runs: a tiny FP8 / NVFP4 / MXFP4 model (hidden 64, 8 experts, every Linear packed)
+and the serving engine against the CPU path, in fp32 (the interpreter computes no bf16 dot), a 16-sequence decode
+step that reads nothing back to the host inside the layers, and the fail-loud switch
+`HYBRID_REQUIRE_CUDA_KERNELS=1`. The tests run in a fresh process under the interpreter (tests/interpreter.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E
 
 @driver
 def test_the_gpu_path_in_the_interpreter():
-    run_in_interpreter(__file__, "9 passed, 1 skipped")
+    run_in_interpreter(__file__, "12 passed, 1 skipped")
 
 
 import hybrid  # noqa: E402
@@ -48,7 +48,7 @@ def gpu_path(monkeypatch):
         yield launches
 
 
-@pytest.fixture(scope="module", params=["fp8", "nvfp4"])
+@pytest.fixture(scope="module", params=["fp8", "nvfp4", "mxfp4"])
 def packed(request, tmp_path_factory):
     """A tiny checkpoint with every Linear and expert packed in the format (attention and Mamba included)."""
     root = tmp_path_factory.mktemp(request.param)
@@ -172,7 +172,7 @@ def _decode_step_reads(directory) -> list[str]:
 
 @needs_interpreter
 def test_a_packed_decode_step_reads_nothing_back_inside_the_layers(packed, gpu_path):
-    """A decode step of 16 sequences on the Triton path (FP8 / NVFP4 weights): no layer reads a tensor's values
+    """A decode step of 16 sequences on the Triton path (FP8 / NVFP4 / MXFP4 weights): no layer reads a tensor's values
     into Python, so on a GPU no layer waits for the device (what CUDA graphs need)."""
     assert _decode_step_reads(packed) == []
     assert gpu_path

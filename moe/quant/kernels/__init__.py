@@ -12,7 +12,7 @@
                   cpu_packed.cpp, compiled on first use)
     amx.py        the same products for prefill-sized bf16 inputs on CPUs with AMX (cpu_amx.cpp: slabs decoded to
                   bf16, multiplied by oneDNN's AMX micro-kernel; chosen inside cpu.py), and bf16 experts' (bf16.py)
-    triton.py     fused dequantize-matmul for FP8 / NVFP4 weights, plain or grouped by expert (CUDA)
+    triton.py     fused dequantize-matmul for FP8 / NVFP4 / MXFP4 weights, plain or grouped by expert (CUDA)
 
 The PyTorch reference (dequantize the weight, then an ordinary matmul) is what runs wherever no kernel
 applies; every kernel is tested against it. `packed_linear` below is the choice for one packed matrix (what
@@ -60,8 +60,7 @@ def status(gpu_path: bool) -> dict[str, str]:
         experts = "Triton (moe.quant.kernels.triton, grouped by expert)" if triton.available() else \
             f"PyTorch: one product per chosen expert (triton does not import: {triton.IMPORT_ERROR})"
         return {"bf16 / fp16 / fp32 products": "PyTorch (torch.matmul)", "bf16 / fp16 / fp32 experts": experts,
-                "FP8 / NVFP4 products and experts": fused,
-                "MXFP4 products and experts": "PyTorch: the weight dequantized per call (no fused kernel yet)"}
+                "FP8 / NVFP4 products and experts": fused, "MXFP4 products and experts": fused}
     from moe.quant.kernels import bf16, cpu
 
     packed = "C++ (cpu_packed.cpp, straight from the packed bytes)" if cpu.module() is not None else \

@@ -1,5 +1,5 @@
-"""Triton kernels that fuse dequantization into the matmul: FP8 and NVFP4 weights, plain or grouped by expert (and
-dense float expert stacks grouped the same way: `grouped_dense_matmul`).
+"""Triton kernels that fuse dequantization into the matmul: FP8, NVFP4 and MXFP4 weights, plain or grouped by
+expert (and dense float expert stacks grouped the same way: `grouped_dense_matmul`).
 
 One kernel computes `out[rows] = x[rows] @ dequant(W_e).T` for row tiles that each belong to one weight
 `W_e` of a stack (a plain Linear is a stack of one). Each program loads a [BLOCK_N, BLOCK_K] tile of the
@@ -15,6 +15,8 @@ Weights (`PackedWeight` tensors, row-major as on disk):
            [E?, ceil(N/128), ceil(K/128)]: element (n, k) uses scale[(n // SBN) * s_n + (k // SBK) * s_k]
     NVFP4  data uint8 [E?, N, K/2] (element k in byte k // 2, nibble k % 2), scale e4m3 [E?, N, K/16],
            global fp32 [E?] (multiplier, or divisor for compressed-tensors)
+    MXFP4  data uint8 [E?, N, K/2] as NVFP4's (gpt-oss' [E?, N, K/32, 16] blocks: the same bytes), scale E8M0
+           uint8 [E?, N, K/32] (2^(e - 127), 0xFF NaN), no global
 
 Tested on the CPU with `TRITON_INTERPRET=1` against the PyTorch path (tests/test_quant_triton.py).
 """
@@ -36,7 +38,7 @@ from moe.quant.codec import QuantFormat
 from moe.quant.kernels import backend
 
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
-KERNEL_KINDS = {"fp8": 0, "nvfp4": 1}  # codec name -> the kernel's KIND (how it decodes a weight tile)
+KERNEL_KINDS = {"fp8": 0, "nvfp4": 1, "mxfp4": 3}  # codec name -> the kernel's KIND (how it decodes a weight tile)
 DENSE_KIND = 2  # a weight tile read as it is (bf16 / fp16 / fp32 experts)
 
 
@@ -45,7 +47,7 @@ def available() -> bool:
 
 
 def supports(fmt: QuantFormat | None) -> bool:
-    """Whether a weight in `fmt` can run in the fused kernel (weight-only FP8 of any granularity, NVFP4)."""
+    """Whether a weight in `fmt` can run in the fused kernel (weight-only FP8 of any granularity, NVFP4, MXFP4)."""
     return available() and fmt is not None and fmt.codec.name in KERNEL_KINDS
 
 
@@ -88,16 +90,21 @@ if triton is not None:
                 sidx = (cols[:, None] // sbn) * stride_sn + (ks[None, :] // sbk) * stride_sk
                 scale = tl.load(s_base + sidx, mask=wmask, other=0.0)
                 w = value * scale
-            else:
+            else:  # E2M1 codes, two per byte (element k in the low nibble when k is even)
                 byte = tl.load(w_base + cols[:, None] * stride_wn + ks[None, :] // 2, mask=wmask, other=0)
                 code = (byte.to(tl.int32) >> ((ks[None, :] % 2) * 4)) & 15
                 value = tl.load(e2m1_lut + code)
-                sbits = tl.load(s_base + cols[:, None] * stride_sn + ks[None, :] // 16, mask=wmask, other=0)
-                block_scale = tl.load(e4m3_lut + sbits.to(tl.int32))
-                if DIVISOR:
-                    w = value * (block_scale / g)
-                else:
-                    w = value * (block_scale * g)
+                if KIND == 1:  # NVFP4: an E4M3 scale per 16 inputs, times or divided by the global scale
+                    sbits = tl.load(s_base + cols[:, None] * stride_sn + ks[None, :] // 16, mask=wmask, other=0)
+                    block_scale = tl.load(e4m3_lut + sbits.to(tl.int32))
+                    if DIVISOR:
+                        w = value * (block_scale / g)
+                    else:
+                        w = value * (block_scale * g)
+                else:  # MXFP4: an E8M0 scale 2^(e - 127) per 32 inputs; 0xFF is NaN
+                    sbits = tl.load(s_base + cols[:, None] * stride_sn + ks[None, :] // 32, mask=wmask, other=0)
+                    block_scale = tl.exp2(sbits.to(tl.float32) - 127.0)
+                    w = value * tl.where(sbits == 255, float("nan"), block_scale)
             w = tl.where(wmask, w, 0.0).to(x.dtype)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
@@ -139,10 +146,12 @@ def grouped_matmul(x: torch.Tensor, proj, tiles: tuple[torch.Tensor, torch.Tenso
     out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
     data = proj.role("data")
     w = data.view(torch.uint8)
+    if proj.fmt.layout.blocks_layout:  # gpt-oss' [.., N, K/32, 16] blocks: the same bytes as [.., N, K/2]
+        w = w.flatten(-2)
     stacked = proj.n_experts is not None
     stride_se, stride_sn, stride_sk, sbn, sbk = _scale_layout(proj, N, K)
     scale = proj.role("scale")
-    scale = scale.view(torch.uint8) if scale.dtype == torch.float8_e4m3fn else scale.float()
+    scale = scale.view(torch.uint8) if scale.dtype in (torch.float8_e4m3fn, torch.uint8) else scale.float()
     g = proj.role("global")
     g = (g.float().reshape(-1) if g is not None else torch.ones(1, device=x.device))
     e4m3_lut, e2m1_lut = _luts(x.device)
