@@ -350,6 +350,37 @@ def check_mamba_decode_step(device: torch.device, w: Widths, dtype: str) -> dict
             "window": rel_error(on["conv"], want_conv), "other rows": 0.0 if untouched else float("inf")}
 
 
+def check_mamba_chunks(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:
+    """`hybrid.ops.mamba_chunks` (this project's Triton kernels on a GPU) for two prompt chunks of `w.scan_len` and
+    5 tokens packed in one row, their states continued from rows of a pool in a scrambled order, against the
+    specification (`hybrid.ops.prefill.mamba_chunks`) in float64 (its scan sums in fp32)."""
+    from hybrid.ops import conv1d, mamba_chunks, prefill, ssd
+
+    g = torch.Generator().manual_seed(8)
+    dt_ = DTYPES[dtype]
+    lengths = [w.scan_len, 5]
+    L, R, nh, P, N, G, K = sum(lengths), 4, w.heads, w.head_dim, w.state, w.groups, w.conv_kernel
+    xBC = torch.randn(L, w.conv_dim, generator=g).to(dt_)
+    dt = torch.randn(L, nh, generator=g).to(dt_)
+    conv = torch.randn(R, w.conv_dim, K - 1, generator=g).to(dt_)
+    state = torch.randn(R, nh, P, N, generator=g)
+    index, starts, n = torch.tensor([3, 1]), torch.tensor([0, lengths[0]]), torch.tensor(lengths)
+    weight = (torch.randn(w.conv_dim, K, generator=g) * 0.5).to(dt_)
+    bias = torch.randn(w.conv_dim, generator=g).to(dt_)
+    dt_bias, A, D = torch.randn(nh, generator=g), -torch.rand(nh, generator=g) * 4, torch.randn(nh, generator=g)
+    limit = (0.0, float("inf"))
+    want_conv, want_state = conv.double(), state.double()
+    want = prefill.mamba_chunks(xBC.double(), dt.double(), want_conv, want_state, starts, n, index, weight.double(),
+                                bias.double(), dt_bias.double(), A.double(), D.double(), limit, nh * P, G, w.chunk,
+                                conv1d.causal_conv1d, ssd.ssd_scan)
+    on = {name: t.to(device) for name, t in dict(conv=conv, state=state).items()}
+    y = mamba_chunks(xBC.to(device), dt.to(device), on["conv"], on["state"], starts.to(device), n.to(device),
+                     index.to(device), weight.to(device), bias.to(device), dt_bias.to(device), A.to(device),
+                     D.to(device), limit, nh * P, G, w.chunk)
+    return {"y": rel_error(y, want), "state": rel_error(on["state"], want_state),
+            "window": rel_error(on["conv"], want_conv)}
+
+
 def check_rms_norm(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:
     """`hybrid.ops.rms_norm` over `w.hidden` against `hybrid.ops.norm.rms_norm` in float64."""
     from hybrid import ops
@@ -512,7 +543,8 @@ def check_experts(device: torch.device, w: Widths, dtypes: list[str]) -> list[di
 
 # name -> check(device, widths, dtype) -> {output: relative error}; the experts have their own (`check_experts`)
 KERNEL_CHECKS = {"ssd_scan": check_ssd_scan, "ssd_step": check_ssd_step, "conv_step": check_conv_step,
-                 "mamba_decode_step": check_mamba_decode_step, "rms_norm": check_rms_norm, "gated_rms_norm": check_gated_rms_norm, "attention": check_attention}
+                 "mamba_decode_step": check_mamba_decode_step, "mamba_chunks": check_mamba_chunks,
+                 "rms_norm": check_rms_norm, "gated_rms_norm": check_gated_rms_norm, "attention": check_attention}
 
 
 @torch.inference_mode()

@@ -4,6 +4,9 @@ CPU in fp32 (how: tests/interpreter.py), and the seams taking them on the GPU pa
 - the Mamba-2 decode step over state slots (`triton_mamba.py`) against `hybrid/ops/decode.py` with the PyTorch
   conv and SSD steps: sequences in rows of a pool given by an index in any order, head and state widths that
   are not powers of two, with and without a conv bias and a dt limit; rows of other sequences untouched;
+- the Mamba-2 prompt chunks of several packed sequences (`triton_mamba.mamba_chunks`) against
+  `hybrid/ops/prefill.py`: segments shorter than the conv window, boundaries anywhere in the packed rows, rows
+  outside every segment left zero, states continued from and written back to scrambled slots;
 - paged decode attention (`triton_attention.py`) against `decode_attention` over each sequence's gathered rows:
   GQA groups and head sizes that are not powers of two, histories of one row to several key tiles, rows
   scattered over the pool with holes; a sequence without rows refused.
@@ -20,11 +23,11 @@ from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E
 
 @driver
 def test_the_kernels_in_the_interpreter():
-    run_in_interpreter(__file__, "8 passed, 1 skipped")
+    run_in_interpreter(__file__, "11 passed, 1 skipped")
 
 
 import hybrid.ops as ops  # noqa: E402
-from hybrid.ops import conv1d, decode, ssd  # noqa: E402
+from hybrid.ops import conv1d, decode, prefill, ssd  # noqa: E402
 from hybrid.ops.attention import decode_attention  # noqa: E402
 from moe.quant.kernels import backend  # noqa: E402
 
@@ -96,6 +99,37 @@ def test_the_seam_takes_the_kernels_on_the_gpu_path(monkeypatch):
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ops.kernel_status(True)["Mamba-2 decode step"].startswith("Triton")
+
+
+# ------------------------------------------------------------------------------------------ prompt chunks
+@needs_interpreter
+@pytest.mark.parametrize("segments, L, K, bias", [
+    ([(0, 7), (9, 2), (12, 20)], 34, 4, True),  # a 2-token segment (shorter than the window), rows 7, 8 and 32, 33 outside
+    ([(0, 1)], 1, 4, False),  # one token
+    ([(3, 11), (14, 5)], 19, 3, True),
+])
+def test_prompt_chunks_over_slots_equal_the_specification(segments, L, K, bias):
+    from hybrid.ops import triton_mamba
+
+    S, R, nh, P, N, G = len(segments), len(segments) + 2, 4, 12, 10, 2
+    case, d_inner = _case(L, R, nh, P, N, G, K, bias, seed=L)  # xBC, dt: one row per packed token
+    index = torch.randperm(R, generator=torch.Generator().manual_seed(L))[:S]
+    starts = torch.tensor([s0 for s0, _ in segments])
+    lengths = torch.tensor([n for _, n in segments])
+    limit = (0.001, 0.5)
+    want_conv, want_ssm = case["conv"].clone(), case["ssm"].clone()
+    args = (case["weight"], case["bias"], case["dt_bias"], case["A"], case["D"], limit, d_inner, G)
+    want = prefill.mamba_chunks(case["xBC"], case["dt"], want_conv, want_ssm, starts, lengths, index, *args, 8,
+                                conv1d.causal_conv1d, ssd.ssd_scan)
+    conv, ssm = case["conv"].clone(), case["ssm"].clone()
+    got = triton_mamba.mamba_chunks(case["xBC"], case["dt"], conv, ssm, starts, lengths, index, *args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(conv, want_conv, rtol=0, atol=0)
+    torch.testing.assert_close(ssm, want_ssm, rtol=1e-4, atol=1e-4)
+    inside = torch.zeros(L, dtype=torch.bool)
+    for s0, n in segments:
+        inside[s0:s0 + n] = True
+    assert not got[~inside].any()
 
 
 # ------------------------------------------------------------------------------------------ paged attention

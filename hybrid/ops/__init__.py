@@ -101,7 +101,9 @@ def kernel_status(gpu_path: bool) -> dict[str, str]:
 
         step = "Triton (hybrid.ops.triton_mamba, over the state slots)" if _triton_mamba().available() else \
             packages("mamba-ssm", "causal-conv1d")
-        return {"Mamba-2 prompt scan": packages("mamba-ssm"),
+        chunks = "Triton (hybrid.ops.triton_mamba, recurrent form over the state slots; a forward without a " \
+            f"cache: {packages('mamba-ssm')})" if _triton_mamba().available() else packages("mamba-ssm")
+        return {"Mamba-2 prompt scan": chunks,
                 "Mamba-2 decode step": step,
                 "RMSNorm": "PyTorch",
                 "decode attention": "Triton (hybrid.ops.triton_attention, over the paged pool)"
@@ -215,9 +217,14 @@ def mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias,
 def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
                  d_inner: int, n_groups: int, chunk_size: int) -> torch.Tensor:
     """The prompt chunks of S sequences (arguments and result as `mamba_chunks_fused`; `chunk_size`: the SSD
-    scan's): the C++ kernel where it runs (`mamba_chunks_fused`), else the PyTorch specification
+    scan's): on the GPU path this project's Triton kernels (`triton_mamba.mamba_chunks`: two launches, no host
+    round trip), on the CPU the C++ kernel where it runs (`mamba_chunks_fused`), else the PyTorch specification
     (`hybrid.ops.prefill.mamba_chunks`: chunks of close lengths as right-padded batches, mamba-ssm's scan on the
-    GPU path). Returns y [L, nh, P] fp32 (rows outside the segments zero)."""
+    GPU path without triton). Returns y [L, nh, P] fp32 (rows outside the segments zero)."""
+    if (kernels := backend.triton_kernels(xBC, _triton_mamba)) is not None and ssm.dtype == torch.float32 \
+            and ssm.stride(-1) == 1 and not (torch.is_grad_enabled() and xBC.requires_grad):
+        return kernels.mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D,
+                                    time_step_limit, d_inner, n_groups)
     y = mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
                            d_inner, n_groups)
     if y is not None:

@@ -1,11 +1,15 @@
-"""Triton kernels of this project for the Mamba-2 decode step on the GPU path, over state slots.
+"""Triton kernels of this project for the Mamba-2 decode step and prompt chunks on the GPU path, over state slots.
 
 `mamba_decode_step` runs one decode token of S sequences in two launches per layer, whatever S: the conv step
 (`_conv_step_slots`: each sequence's window read from row `index[s]` of the conv pool, rolled in place, SiLU
 applied) and the SSD step (`_ssd_step_slots`: dt = clamp(softplus(dt + dt_bias)), the state of row `index[s]`
 decayed and updated in place, y = state C + D x). No state is gathered into a batch and scattered back, and no
 value goes to the host: the slot index stays a device tensor. The specification is `hybrid/ops/decode.py`
-(tested against it under Triton's interpreter: tests/test_triton_mamba.py). Sums are fp32; the conv output is
+(tested against it under Triton's interpreter: tests/test_triton_ops.py).
+
+`mamba_chunks` runs the prompt chunks of S packed sequences the same way (sequence boundaries given by `starts` /
+`lengths` device tensors, states continued from and written back to their slots), in the recurrent form;
+its specification is `hybrid/ops/prefill.py`. Sums are fp32; the conv output is
 rounded to the activations' dtype before the SSD step reads it, as the specification rounds it.
 """
 
@@ -79,6 +83,98 @@ if triton is not None:
         tl.store(at, state, mask=m)
         y = tl.sum(state * C[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
         tl.store(y_ptr + s * stride_ys + h * P + p, y, mask=mp)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _conv_chunks_slots(x_ptr, conv_ptr, index_ptr, starts_ptr, lengths_ptr, w_ptr, b_ptr, out_ptr, channels,
+                           stride_xl, stride_cr, stride_cc, stride_ck, stride_ol,
+                           K: tl.constexpr, HAS_BIAS: tl.constexpr, BC: tl.constexpr):
+        s = tl.program_id(0)
+        c = tl.program_id(1) * BC + tl.arange(0, BC)
+        mask = c < channels
+        window = conv_ptr + tl.load(index_ptr + s).to(tl.int64) * stride_cr + c * stride_cc
+        start = tl.load(starts_ptr + s).to(tl.int64)
+        n = tl.load(lengths_ptr + s)
+        bias = tl.zeros([BC], tl.float32)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        for t in range(0, n):  # input j of the segment: x[start + j] for j >= 0, else window column K-1+j
+            acc = bias
+            for k in tl.static_range(K):
+                j = c * 0 + (t - (K - 1) + k)  # a vector, so that the masks stay boolean vectors
+                v = tl.load(x_ptr + (start + j) * stride_xl + c, mask=mask & (j >= 0), other=0.0).to(tl.float32) + \
+                    tl.load(window + (K - 1 + j) * stride_ck, mask=mask & (j < 0), other=0.0).to(tl.float32)
+                acc += v * tl.load(w_ptr + c * K + k, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + (start + t) * stride_ol + c, (acc * tl.sigmoid(acc)).to(out_ptr.dtype.element_ty),
+                     mask=mask)
+        for i in tl.static_range(K - 1):  # the new window: the segment's last K-1 inputs (columns read >= i)
+            j = c * 0 + (n - (K - 1) + i)
+            v = tl.load(x_ptr + (start + j) * stride_xl + c, mask=mask & (j >= 0), other=0.0) + \
+                tl.load(window + (K - 1 + j) * stride_ck, mask=mask & (j < 0), other=0.0)
+            tl.store(window + i * stride_ck, v.to(conv_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _ssd_chunks_slots(xbc_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, state_ptr, index_ptr, starts_ptr, lengths_ptr,
+                          y_ptr, lo, hi, stride_xl, stride_dl, stride_sr, stride_sh, stride_sp, stride_yl,
+                          P, N, heads_per_group, d_inner, group_width,
+                          BP: tl.constexpr, BN: tl.constexpr):
+        s = tl.program_id(0)
+        h = tl.program_id(1)
+        p = tl.program_id(2) * BP + tl.arange(0, BP)
+        n = tl.arange(0, BN)
+        mp, mn = p < P, n < N
+        m = mp[:, None] & mn[None, :]
+        g = h // heads_per_group
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        A = tl.load(A_ptr + h).to(tl.float32)
+        D = tl.load(D_ptr + h).to(tl.float32)
+        at = state_ptr + tl.load(index_ptr + s).to(tl.int64) * stride_sr + h * stride_sh + \
+            p[:, None] * stride_sp + n[None, :]
+        state = tl.load(at, mask=m, other=0.0)
+        start = tl.load(starts_ptr + s).to(tl.int64)
+        for t in range(0, tl.load(lengths_ptr + s)):  # the recurrence token by token, the state in registers
+            row = xbc_ptr + (start + t) * stride_xl
+            dt = tl.load(dt_ptr + (start + t) * stride_dl + h).to(tl.float32) + dt_bias
+            dt = tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), lo), hi)
+            x = tl.load(row + h * P + p, mask=mp, other=0.0).to(tl.float32)
+            B = tl.load(row + d_inner + g * N + n, mask=mn, other=0.0).to(tl.float32)
+            C = tl.load(row + d_inner + group_width + g * N + n, mask=mn, other=0.0).to(tl.float32)
+            state = state * tl.exp(dt * A) + (x * dt)[:, None] * B[None, :]
+            y = tl.sum(state * C[None, :], axis=1) + D * x
+            tl.store(y_ptr + (start + t) * stride_yl + h * P + p, y, mask=mp)
+        tl.store(at, state, mask=m)
+
+
+def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
+                 d_inner: int, n_groups: int) -> torch.Tensor:
+    """`hybrid.ops.mamba_chunks` in two launches (arguments and result as there): y [L, nh, P] fp32, rows outside
+    the segments zero. The conv runs one program per (sequence, channel block), the SSD recurrence one per
+    (sequence, head, head-dimension block) stepping its tokens in order with the state in registers (the
+    recurrent form: no chunked matrix products; for long prompts mamba-ssm's chunked scan does fewer operations).
+
+    Needs the pools' last dims contiguous as `mamba_decode_step` does; segments of one token or more.
+    """
+    L, channels = xBC.shape
+    S = index.shape[0]
+    nh, P, N = ssm.shape[1:]
+    K = weight.shape[1]
+    xBC, dt = xBC.contiguous(), dt.contiguous()
+    activated = torch.empty_like(xBC)
+    y = torch.zeros(L, nh, P, dtype=torch.float32, device=xBC.device)
+    lo, hi = (float(v) for v in time_step_limit)
+    with backend.launch_guard(xBC.device):
+        _conv_chunks_slots[(S, triton.cdiv(channels, CONV_BLOCK))](
+            xBC, conv, index, starts, lengths, weight.contiguous(), bias if bias is not None else weight, activated,
+            channels, xBC.stride(0), conv.stride(0), conv.stride(1), conv.stride(2), activated.stride(0),
+            K=K, HAS_BIAS=bias is not None, BC=CONV_BLOCK)
+        _ssd_chunks_slots[(S, nh, triton.cdiv(P, HEAD_DIM_BLOCK))](
+            activated, dt, dt_bias, A, D, ssm, index, starts, lengths, y, lo, hi,
+            activated.stride(0), dt.stride(0), ssm.stride(0), ssm.stride(1), ssm.stride(2), y.stride(0),
+            P, N, nh // n_groups, d_inner, n_groups * N,
+            BP=HEAD_DIM_BLOCK, BN=triton.next_power_of_2(N))
+    return y
 
 
 def mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, time_step_limit, d_inner: int,
