@@ -1,15 +1,13 @@
 """Triton kernels of this project for the Mamba-2 decode step and prompt chunks on the GPU path, over state slots.
 
-`mamba_decode_step` runs one decode token of S sequences in two launches per layer, whatever S: the conv step
-(`_conv_step_slots`: each sequence's window read from row `index[s]` of the conv pool, rolled in place, SiLU
-applied) and the SSD step (`_ssd_step_slots`: dt = clamp(softplus(dt + dt_bias)), the state of row `index[s]`
-decayed and updated in place, y = state C + D x). No state is gathered into a batch and scattered back, and no
-value goes to the host: the slot index stays a device tensor. The specification is `hybrid/ops/decode.py`
-(tested against it under Triton's interpreter: tests/test_triton_ops.py).
-
-`mamba_chunks` runs the prompt chunks of S packed sequences the same way (sequence boundaries given by `starts` /
-`lengths` device tensors, states continued from and written back to their slots), in the recurrent form;
-its specification is `hybrid/ops/prefill.py`. Sums are fp32; the conv output is
+`mamba_chunks` runs the prompt chunks of S packed sequences (boundaries given by `starts` / `lengths` device
+tensors) in two launches per layer, whatever S: the conv (`_conv_chunks_slots`: inputs before a segment read from
+the window in row `index[s]` of the conv pool, the new window written back, SiLU applied) and the SSD recurrence
+(`_ssd_chunks_slots`: dt = clamp(softplus(dt + dt_bias)), the state of row `index[s]` decayed and updated token by
+token in registers, y = state C + D x, the state written back). `mamba_decode_step` is the same with one token per
+sequence. No state is gathered into a batch and scattered back, and no value goes to the host. The
+specifications are `hybrid/ops/prefill.py` and `hybrid/ops/decode.py` (tested against them under Triton's
+interpreter: tests/test_triton_ops.py). Sums are fp32; the conv output is
 rounded to the activations' dtype before the SSD step reads it, as the specification rounds it.
 """
 
@@ -26,63 +24,12 @@ try:
 except ImportError as e:  # triton is optional (the `cuda` extra)
     triton, IMPORT_ERROR = None, f"{type(e).__name__}: {e}"
 
-CONV_BLOCK = 128  # channels per program of the conv step
-HEAD_DIM_BLOCK = 16  # head-dimension rows per program of the SSD step
+CONV_BLOCK = 128  # channels per program of the conv
+HEAD_DIM_BLOCK = 16  # head-dimension rows per program of the SSD recurrence
 
 
 def available() -> bool:
     return triton is not None
-
-
-if triton is not None:
-
-    @triton.jit
-    def _conv_step_slots(x_ptr, conv_ptr, index_ptr, w_ptr, b_ptr, out_ptr, channels,
-                         stride_xs, stride_cr, stride_cc, stride_ck, stride_os,
-                         K: tl.constexpr, HAS_BIAS: tl.constexpr, BC: tl.constexpr):
-        s = tl.program_id(0)
-        c = tl.program_id(1) * BC + tl.arange(0, BC)
-        mask = c < channels
-        window = conv_ptr + tl.load(index_ptr + s).to(tl.int64) * stride_cr + c * stride_cc
-        x = tl.load(x_ptr + s * stride_xs + c, mask=mask, other=0.0)
-        acc = x.to(tl.float32) * tl.load(w_ptr + c * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
-        for k in tl.static_range(K - 1):
-            acc += tl.load(window + k * stride_ck, mask=mask, other=0.0).to(tl.float32) * \
-                tl.load(w_ptr + c * K + k, mask=mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
-        for k in tl.static_range(K - 2):  # roll the window: column k takes column k + 1 (not yet written)
-            tl.store(window + k * stride_ck, tl.load(window + (k + 1) * stride_ck, mask=mask), mask=mask)
-        tl.store(window + (K - 2) * stride_ck, x.to(conv_ptr.dtype.element_ty), mask=mask)
-        out = acc * tl.sigmoid(acc)
-        tl.store(out_ptr + s * stride_os + c, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _ssd_step_slots(xbc_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, state_ptr, index_ptr, y_ptr, lo, hi,
-                        stride_xs, stride_ds, stride_sr, stride_sh, stride_sp, stride_ys,
-                        P, N, heads_per_group, d_inner, group_width,
-                        BP: tl.constexpr, BN: tl.constexpr):
-        s = tl.program_id(0)
-        h = tl.program_id(1)
-        p = tl.program_id(2) * BP + tl.arange(0, BP)
-        n = tl.arange(0, BN)
-        mp, mn = p < P, n < N
-        g = h // heads_per_group
-        dt = tl.load(dt_ptr + s * stride_ds + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt)))  # softplus, PyTorch's threshold of 20
-        dt = tl.minimum(tl.maximum(dt, lo), hi)
-        decay = tl.exp(dt * tl.load(A_ptr + h).to(tl.float32))
-        row = xbc_ptr + s * stride_xs
-        x = tl.load(row + h * P + p, mask=mp, other=0.0).to(tl.float32)
-        B = tl.load(row + d_inner + g * N + n, mask=mn, other=0.0).to(tl.float32)
-        C = tl.load(row + d_inner + group_width + g * N + n, mask=mn, other=0.0).to(tl.float32)
-        at = state_ptr + tl.load(index_ptr + s).to(tl.int64) * stride_sr + h * stride_sh + \
-            p[:, None] * stride_sp + n[None, :]
-        m = mp[:, None] & mn[None, :]
-        state = tl.load(at, mask=m, other=0.0) * decay + (x * dt)[:, None] * B[None, :]
-        tl.store(at, state, mask=m)
-        y = tl.sum(state * C[None, :], axis=1) + tl.load(D_ptr + h).to(tl.float32) * x
-        tl.store(y_ptr + s * stride_ys + h * P + p, y, mask=mp)
 
 
 if triton is not None:
@@ -179,27 +126,10 @@ def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bi
 
 def mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, time_step_limit, d_inner: int,
                       n_groups: int) -> torch.Tensor:
-    """`hybrid.ops.mamba_decode_step` in two launches (arguments and result as there): y [S, nh, P] fp32.
-
-    Needs the pools' last dims contiguous (`ssm` [R, nh, P, N] with stride 1 over N, `conv` any strides) and
-    xBC / dt rows contiguous.
+    """`hybrid.ops.mamba_decode_step` (arguments and result as there): y [S, nh, P] fp32. The prompt-chunk
+    kernels with one token per sequence (its `starts` and `lengths` made on the device): two launches whatever S.
     """
-    S, channels = xBC.shape
-    nh, P, N = ssm.shape[1:]
-    K = weight.shape[1]
-    xBC, dt = xBC.contiguous(), dt.contiguous()
-    index = index.to(device=xBC.device)
-    activated = torch.empty_like(xBC)
-    y = torch.empty(S, nh, P, dtype=torch.float32, device=xBC.device)
-    lo, hi = (float(v) for v in time_step_limit)
-    with backend.launch_guard(xBC.device):
-        _conv_step_slots[(S, triton.cdiv(channels, CONV_BLOCK))](
-            xBC, conv, index, weight.contiguous(), bias if bias is not None else weight, activated, channels,
-            xBC.stride(0), conv.stride(0), conv.stride(1), conv.stride(2), activated.stride(0),
-            K=K, HAS_BIAS=bias is not None, BC=CONV_BLOCK)
-        _ssd_step_slots[(S, nh, triton.cdiv(P, HEAD_DIM_BLOCK))](
-            activated, dt, dt_bias, A, D, ssm, index, y, lo, hi,
-            activated.stride(0), dt.stride(0), ssm.stride(0), ssm.stride(1), ssm.stride(2), y.stride(0),
-            P, N, nh // n_groups, d_inner, n_groups * N,
-            BP=HEAD_DIM_BLOCK, BN=triton.next_power_of_2(N))
-    return y
+    S = xBC.shape[0]
+    starts = torch.arange(S, device=xBC.device)
+    return mamba_chunks(xBC, dt, conv, ssm, starts, torch.ones_like(starts), index.to(xBC.device), weight, bias,
+                        dt_bias, A, D, time_step_limit, d_inner, n_groups)
