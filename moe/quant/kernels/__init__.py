@@ -39,14 +39,14 @@ def triton_for(x: torch.Tensor, *fmts) -> ModuleType | None:
     Raises:
         KernelUnavailable: triton does not import and HYBRID_REQUIRE_CUDA_KERNELS=1 (`backend.fallback`).
     """
-    if not backend.gpu_path(x):
-        return None
+    triton = backend.triton_kernels(x, _triton)
+    return triton if triton is not None and all(triton.supports(f) for f in fmts) else None
+
+
+def _triton() -> ModuleType:
     from moe.quant.kernels import triton
 
-    if not triton.available():
-        backend.fallback("triton", triton.IMPORT_ERROR)
-        return None
-    return triton if all(triton.supports(f) for f in fmts) else None
+    return triton
 
 
 def status(gpu_path: bool) -> dict[str, str]:
