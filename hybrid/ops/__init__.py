@@ -71,6 +71,14 @@ def _triton_mamba():
     return triton_mamba
 
 
+def _triton_slots(xBC: torch.Tensor, ssm: torch.Tensor):
+    """`hybrid.ops.triton_mamba` when `xBC` takes the GPU path, triton imports, the fp32 state pool has its last
+    dim contiguous and no gradient is to be recorded; else None (the CPU kernels or the specification)."""
+    if ssm.dtype != torch.float32 or ssm.stride(-1) != 1 or (torch.is_grad_enabled() and xBC.requires_grad):
+        return None
+    return backend.triton_kernels(xBC, _triton_mamba)
+
+
 def import_error(package: str) -> str | None:
     """Why `package` ("mamba-ssm" or "causal-conv1d") does not import (its exception, one line), or None when
     it does. Tries the import on the first call."""
@@ -99,10 +107,11 @@ def kernel_status(gpu_path: bool) -> dict[str, str]:
                 return " + ".join(names)
             return "PyTorch (" + "; ".join(f"{name} does not import: {e}" for name, e in errors.items() if e) + ")"
 
-        step = "Triton (hybrid.ops.triton_mamba, over the state slots)" if _triton_mamba().available() else \
+        ours = _triton_mamba().available()
+        step = "Triton (hybrid.ops.triton_mamba, over the state slots)" if ours else \
             packages("mamba-ssm", "causal-conv1d")
         chunks = "Triton (hybrid.ops.triton_mamba, recurrent form over the state slots; a forward without a " \
-            f"cache: {packages('mamba-ssm')})" if _triton_mamba().available() else packages("mamba-ssm")
+            f"cache: {packages('mamba-ssm')})" if ours else packages("mamba-ssm")
         return {"Mamba-2 prompt scan": chunks,
                 "Mamba-2 decode step": step,
                 "RMSNorm": "PyTorch",
@@ -171,7 +180,7 @@ def mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, ti
     round trip), on the CPU the C++ kernel (`cpu_mamba.cpp`), else the specification (`decode.py`, with the
     mamba-ssm / causal-conv1d steps where they import).
     """
-    if (kernels := backend.triton_kernels(xBC, _triton_mamba)) is not None and ssm.dtype == torch.float32 and ssm.stride(-1) == 1:
+    if (kernels := _triton_slots(xBC, ssm)) is not None:
         return kernels.mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, time_step_limit,
                                          d_inner, n_groups)
     ext = _cpu.module() if backend.cpu_kernels(xBC) and xBC.dtype in (torch.float32, torch.bfloat16) else None
@@ -221,8 +230,7 @@ def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bi
     round trip), on the CPU the C++ kernel where it runs (`mamba_chunks_fused`), else the PyTorch specification
     (`hybrid.ops.prefill.mamba_chunks`: chunks of close lengths as right-padded batches, mamba-ssm's scan on the
     GPU path without triton). Returns y [L, nh, P] fp32 (rows outside the segments zero)."""
-    if (kernels := backend.triton_kernels(xBC, _triton_mamba)) is not None and ssm.dtype == torch.float32 \
-            and ssm.stride(-1) == 1 and not (torch.is_grad_enabled() and xBC.requires_grad):
+    if (kernels := _triton_slots(xBC, ssm)) is not None:
         return kernels.mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D,
                                     time_step_limit, d_inner, n_groups)
     y = mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,

@@ -7,7 +7,7 @@ rows of a paged KV pool, read where they lie (no gathered copy of a sequence's h
 written once. fp32 inputs compute in fp32 throughout (IEEE products); bf16 / fp16 inputs multiply in their dtype
 with fp32 sums, the probabilities rounded to the values' dtype for the second product, as FlashAttention does.
 The specification is `hybrid.ops.attention.decode_attention` over each sequence's gathered rows (tested under
-Triton's interpreter: tests/test_triton_attention.py).
+Triton's interpreter: tests/test_triton_ops.py).
 """
 
 from __future__ import annotations
