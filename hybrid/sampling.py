@@ -2,8 +2,9 @@
 the draw; and the `Completion` a generation returns. Plain, speculative and (later) served generation all
 use this module; none of them imports another.
 
-    probs = filtered_probs(logits, params)     softmax(logits / temperature), top-k, then top-p, renormalised
-    ids = sample(logits, params)               argmax when temperature is 0 (or < 1e-5), else one draw per row
+    probs = filtered_probs(logits, params)     softmax(logits / temperature), min-p, top-k, then top-p, renormalised
+    ids = sample(logits, params)               argmax when temperature is 0 (or < 1e-5), else one draw per row,
+                                               on the logits' device with no read back to the host
     logits = apply_penalties(logits, params, prompts, outputs)   repetition / frequency / presence, before both
     states = penalty_states(params, prompts)   kept across a generation's steps: apply_penalties(..., states)
                                                counts each new token once instead of the whole prompt and output
@@ -29,8 +30,10 @@ SAMPLING_EPS = 1e-5
 
 @dataclass
 class SamplingParams:
-    """temperature 0 (or None, or below `SAMPLING_EPS`) is greedy (ties: lowest id); top_k / top_p filter
-    before sampling (top_k 0 or -1, like None, is no limit); `seed` makes the draws reproducible: each
+    """temperature 0 (or None, or below `SAMPLING_EPS`) is greedy (ties: lowest id); min_p, top_k and top_p
+    filter before sampling, in that order (vLLM's): min_p drops the tokens less likely than min_p times the
+    most likely one (0 is none), top_k (0 or -1, like None, is no limit) keeps the k most likely, top_p the
+    smallest prefix reaching that mass; `seed` makes the draws reproducible: each
     generation call (`generate_ids`, `generate`) starts again from it (`fresh`), so the same object gives the
     same tokens in every call; `sample` used directly draws on from this object's own generator.
 
@@ -48,10 +51,10 @@ class SamplingParams:
 
     Raises:
         ValueError: temperature negative, not finite or not a number, top_k not a positive integer (or 0 / -1),
-            top_p not a number in (0, 1], logprobs not an integer >= 0 (or None), a seed that is not an
-            integer torch's generator can take, repetition_penalty not a finite number > 0, or
-            frequency_penalty / presence_penalty not a number in [-2, 2] (bools are refused everywhere; the
-            value is named with its repr, so a string shows its quotes).
+            top_p not a number in (0, 1], min_p not a number in [0, 1], logprobs not an integer >= 0 (or
+            None), a seed that is not an integer torch's generator can take, repetition_penalty not a finite
+            number > 0, or frequency_penalty / presence_penalty not a number in [-2, 2] (bools are refused
+            everywhere; the value is named with its repr, so a string shows its quotes).
     """
 
     temperature: float = 0.0
@@ -62,7 +65,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_p: float = 0.0
     generator: torch.Generator | None = field(default=None, repr=False)
+    # the seed's generators on other devices than the CPU (`generator_on`), made at their first draw
+    _device_generators: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         t = 0.0 if self.temperature is None else self.temperature
@@ -75,6 +81,10 @@ class SamplingParams:
         self.top_k = None if k is None or k in (0, -1) else int(k)
         if self.top_p is not None and not (_real(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        m = 0.0 if self.min_p is None else self.min_p
+        if not (_real(m) and 0 <= m <= 1):
+            raise ValueError(f"min_p must be a number in [0, 1] (0: none), got {m!r}")
+        self.min_p = float(m)
         if self.logprobs is not None and not (_integer(self.logprobs) and self.logprobs >= 0):
             raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
         self.logprobs = None if self.logprobs is None else int(self.logprobs)
@@ -96,6 +106,19 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether any penalty changes the logits (`apply_penalties` is then not the identity)."""
         return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    def generator_on(self, device: torch.device | str) -> torch.Generator | None:
+        """The seeded generator to draw with on `device` (None when unseeded: torch's default one there): on the
+        CPU `generator`; elsewhere one made from the same seed at its first use (a device draws from a
+        generator of its own, so no draw leaves the device; seeded tokens are reproducible per device)."""
+        if self.seed is None:
+            return None
+        device = torch.device(device)
+        if device.type == "cpu":
+            return self.generator
+        if device not in self._device_generators:
+            self._device_generators[device] = torch.Generator(device).manual_seed(int(self.seed))
+        return self._device_generators[device]
 
     def fresh(self) -> "SamplingParams":
         """These parameters for a new generation call: a seeded one starts again from its seed (its own new
@@ -266,36 +289,88 @@ def apply_penalties(logits: torch.Tensor, params: Sampling, prompts: Sequence[Se
     return out
 
 
-def filtered_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
-    """The distribution tokens are drawn from: softmax(logits / temperature) restricted to the top-k tokens
-    and to the smallest top-p prefix, renormalised. logits [B, V] -> probs [B, V] fp32; greedy (temperature
-    0) is the one-hot of the argmax."""
-    rows = _per_row(params, logits.shape[0])
-    if rows is not None:
-        return torch.cat([filtered_probs(logits[i:i + 1], p) for i, p in enumerate(rows)])
-    if not params.temperature:
-        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-    logits = logits.float() / params.temperature
-    if params.top_k is not None and params.top_k < logits.shape[-1]:
-        kth = logits.topk(params.top_k, dim=-1).values[:, -1:]
+def _column(values: list, like: torch.Tensor, dtype: torch.dtype) -> float | torch.Tensor:
+    """One number per row as a broadcastable [B, 1] tensor on `like`'s device, or the number itself when every
+    row has the same (the common case: no tensor to copy to the device)."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return torch.tensor(values, dtype=dtype).to(like.device, non_blocking=True)[:, None]
+
+
+def _filtered_logits(logits: torch.Tensor, rows: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits [B, V] scaled by each row's temperature (a greedy row's by 1: its draw is not used) with the
+    tokens that min_p, top_k and top_p drop set to -inf, fp32; all rows at once, each with its own values."""
+    logits = logits.float() / _column([p.temperature or 1.0 for p in rows], logits, torch.float32)
+    V = logits.shape[-1]
+    if any(p.min_p > 0 for p in rows):
+        probs = logits.softmax(dim=-1)
+        floor = _column([p.min_p for p in rows], logits, torch.float32) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    ks = [min(p.top_k or V, V) for p in rows]
+    if min(ks) < V:
+        top = logits.topk(max(ks), dim=-1).values
+        k = _column(ks, logits, torch.long)
+        kth = top[:, k - 1:k] if isinstance(k, int) else top.gather(1, k - 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1:
+    tops = [p.top_p if p.top_p is not None and p.top_p < 1 else math.inf for p in rows]
+    if min(tops) < math.inf:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         probs = sorted_logits.softmax(dim=-1)
-        drop = probs.cumsum(dim=-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
+        drop = probs.cumsum(dim=-1) - probs > _column(tops, logits, torch.float32)  # the smallest prefix reaching top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits.softmax(dim=-1)
+    return logits
+
+
+def _rows(params: Sampling, batch: int) -> Sequence[SamplingParams]:
+    return _per_row(params, batch) or [params] * batch
+
+
+def filtered_probs(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
+    """The distribution tokens are drawn from: softmax(logits / temperature) restricted by min_p, then to the
+    top-k tokens, then to the smallest top-p prefix, renormalised. logits [B, V] -> probs [B, V] fp32; a greedy
+    row (temperature 0) is the one-hot of its argmax."""
+    rows = _rows(params, logits.shape[0])
+    greedy = [not p.temperature for p in rows]
+    if all(greedy):
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    probs = _filtered_logits(logits, rows).softmax(dim=-1)
+    if any(greedy):
+        probs[greedy] = torch.nn.functional.one_hot(logits[greedy].argmax(dim=-1), logits.shape[-1]).float()
+    return probs
 
 
 def sample(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
-    """Next token ids [B] int64 from logits [B, V] (fp32)."""
-    rows = _per_row(params, logits.shape[0])
-    if rows is not None:
-        return torch.cat([sample(logits[i:i + 1], p) for i, p in enumerate(rows)])
-    if not params.temperature:
-        return logits.argmax(dim=-1)
-    probs = filtered_probs(logits, params)
-    return torch.multinomial(probs.cpu(), 1, generator=params.generator)[:, 0].to(logits.device)
+    """Next token ids [B] int64 from logits [B, V], on the logits' device; nothing is read back to the host, so
+    a caller takes a step's ids with one transfer.
+
+    A sampled row's token is the argmax of its filtered probabilities divided by exponential noise (the
+    exponential race: token i wins with probability p_i; vLLM's sampler, which avoids `torch.multinomial`'s
+    device synchronisation). Each row's noise comes from its own generator on that device
+    (`SamplingParams.generator_on`; one shared `SamplingParams` draws every row from its one generator, an
+    unseeded row from torch's default one), so a seeded row gives the same token in any batch as alone.
+
+    Raises:
+        ValueError: `params` a list of another length than the rows (see `_per_row`).
+    """
+    rows = _rows(params, logits.shape[0])
+    greedy = [not p.temperature for p in rows]
+    argmax = logits.argmax(dim=-1)
+    if all(greedy):
+        return argmax
+    probs = _filtered_logits(logits, rows).softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    if isinstance(params, SamplingParams):
+        noise.exponential_(generator=params.generator_on(logits.device))
+    else:
+        generators = [None if g else p.generator_on(logits.device) for p, g in zip(rows, greedy)]
+        if any(g is None for g, greedy_row in zip(generators, greedy) if not greedy_row):
+            noise.exponential_()  # the unseeded rows' draws
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+    # an exponential draw of exactly 0 (possible in float) must not divide a probability of 0 into NaN
+    drawn = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return torch.where(_column(greedy, logits, torch.bool)[:, 0], argmax, drawn) if any(greedy) else drawn
 
 
 @dataclass

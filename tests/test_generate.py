@@ -105,6 +105,56 @@ def test_sampling_frequencies_follow_softmax():
     assert torch.allclose(counts, expected, atol=0.03)  # 4000 draws: std <= 0.008
 
 
+def test_a_batch_of_rows_with_their_own_parameters_draws_each_rows_distribution():
+    """One batched draw over rows with different temperatures and filters: each row's frequencies follow its
+    own filtered distribution, computed in float64 (softmax at its temperature; min_p drops ids under min_p times
+    the most likely; top_k / top_p keep the best), and a greedy row is its argmax."""
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, 1.5])
+    kinds = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.5, seed=2),
+             SamplingParams(), SamplingParams(temperature=2.0, min_p=0.5, seed=3),
+             SamplingParams(temperature=1.0, top_k=2, seed=4), SamplingParams(temperature=1.0, top_p=0.6, seed=5)]
+    n = 3000
+    rows = [p for p in kinds for _ in range(n)]
+    ids = sample(logits.expand(len(rows), 5), rows).reshape(len(kinds), n)
+    x = logits.double()
+    expected = [(x / 1.0).softmax(-1), (x / 0.5).softmax(-1), torch.nn.functional.one_hot(x.argmax(), 5).double()]
+    p = (x / 2.0).softmax(-1)
+    expected.append(torch.where(p >= 0.5 * p.max(), p, 0) / torch.where(p >= 0.5 * p.max(), p, 0).sum())
+    top2 = torch.zeros(5, dtype=torch.float64)
+    top2[[2, 4]] = x[[2, 4]].softmax(-1)
+    expected.append(top2)
+    p = x.softmax(-1)  # top_p 0.6: 2 (0.46) then 4 (0.28) reach it
+    top_p = torch.zeros(5, dtype=torch.float64)
+    top_p[[2, 4]] = p[[2, 4]] / p[[2, 4]].sum()
+    expected.append(top_p)
+    for row, want in zip(ids, expected):
+        got = torch.bincount(row, minlength=5).double() / n
+        assert torch.allclose(got, want, atol=0.03), (got, want)  # 3000 draws: std <= 0.0092
+
+
+def test_a_seeded_row_draws_the_same_token_in_any_batch_as_alone():
+    """Each seeded row's noise comes from its own generator: beside other rows, seeded or not, greedy or not,
+    it draws what it draws alone, step after step; the ids stay on the logits' device."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6, 300, generator=g)
+    batch = [SamplingParams(temperature=0.8, seed=7, top_p=0.9), SamplingParams(temperature=1.0),
+             SamplingParams(), SamplingParams(temperature=1.2, seed=8, min_p=0.05, top_k=40)]
+    alone = [SamplingParams(temperature=0.8, seed=7, top_p=0.9), SamplingParams(temperature=1.2, seed=8, min_p=0.05,
+                                                                                     top_k=40)]
+    for step in range(6):
+        got = sample(logits[:, step], batch)
+        assert got.dtype == torch.int64 and got.device == logits.device
+        assert int(got[0]) == int(sample(logits[0:1, step], alone[0]))
+        assert int(got[3]) == int(sample(logits[3:4, step], alone[1]))
+        assert int(got[2]) == int(logits[2, step].argmax())
+
+
+def test_generator_on_the_cpu_is_the_seeded_generator():
+    p = SamplingParams(temperature=1.0, seed=3)
+    assert p.generator_on("cpu") is p.generator and SamplingParams(temperature=1.0).generator_on("cpu") is None
+    assert p.fresh()._device_generators == {} and p.fresh().generator is not p.generator
+
+
 def test_per_row_sampling_params_equal_each_row_alone(loaded):
     """Each row of a batch with its own temperature, filters and seed gives exactly the tokens it gives alone
     with the same parameters (its own generator), whatever the other rows do; a greedy row is the greedy
@@ -126,7 +176,8 @@ def test_per_row_sampling_params_equal_each_row_alone(loaded):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"), (dict(top_p=1.5), "top_p")])
+    (dict(temperature=-1), "temperature"), (dict(top_k=-2), "top_k"), (dict(top_p=1.5), "top_p"),
+    (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"), (dict(min_p=True), "min_p")])
 def test_bad_sampling_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)

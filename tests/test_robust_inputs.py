@@ -136,14 +136,17 @@ def test_top_k_zero_or_minus_one_is_off(off):
 
 # ---------------------------------------------------------------------------------- property: kept set
 def allowed(logits: torch.Tensor, params: SamplingParams) -> set[int]:
-    """Ids the filters may keep, computed independently in float64: top-k keeps ids with fewer than k
-    strictly larger scaled logits; top-p keeps an id when the mass of the strictly more likely survivors is at
-    most top_p (the smallest prefix reaching top_p, ties either way); greedy keeps the lowest argmax."""
+    """Ids the filters may keep, computed independently in float64: min-p keeps ids at least min_p times as
+    likely as the most likely (within float32 rounding); top-k keeps ids with fewer than k strictly larger
+    scaled logits; top-p keeps an id when the mass of the strictly more likely survivors is at most top_p (the
+    smallest prefix reaching top_p, ties either way); greedy keeps the lowest argmax."""
     if params.temperature == 0:
         return {int(logits.argmax())}
     scaled = (logits.float() / params.temperature).double()  # the same rounding as the sampler's input
     ids = range(len(scaled))
-    keep = [i for i in ids if params.top_k is None or int((scaled > scaled[i]).sum()) < params.top_k]
+    full = scaled.softmax(-1)
+    keep = [i for i in ids if full[i] >= params.min_p * full.max() * (1 - 1e-5)]
+    keep = [i for i in keep if params.top_k is None or int((scaled > scaled[i]).sum()) < params.top_k]
     probs = torch.full_like(scaled, 0.0)
     probs[keep] = scaled[keep].softmax(-1)
     if params.top_p is not None:
@@ -157,9 +160,10 @@ temperatures = st.one_of(st.just(0.0), st.floats(1e-9, SAMPLING_EPS, exclude_max
 @settings(max_examples=80, deadline=None)
 @given(logits=st.lists(st.floats(-30, 30, allow_nan=False, width=32), min_size=2, max_size=40),
        temperature=temperatures, top_k=st.one_of(st.none(), st.integers(-1, 45)),
-       top_p=st.one_of(st.none(), st.floats(1e-3, 1.0)), seed=st.integers(0, 2**31 - 1))
-def test_sampled_ids_lie_in_the_kept_set(logits, temperature, top_k, top_p, seed):
-    params = SamplingParams(temperature, top_k, top_p, seed)
+       top_p=st.one_of(st.none(), st.floats(1e-3, 1.0)), seed=st.integers(0, 2**31 - 1),
+       min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)))
+def test_sampled_ids_lie_in_the_kept_set(logits, temperature, top_k, top_p, seed, min_p):
+    params = SamplingParams(temperature, top_k, top_p, seed, min_p=min_p)
     row = torch.tensor(logits)
     draws = set(sample(row.expand(64, len(logits)), params).tolist())
     kept = allowed(row, params)

@@ -410,14 +410,14 @@ class Engine:
                                 hidden_size=self.model.config.hidden_size)
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        """The next token of each request from its row of logits [n, V]: the greedy rows without penalties by
-        one argmax over all rows, every other row with its own parameters and generator."""
-        plain = [not r.sampling.temperature and not r.sampling.penalized for r in requests]
-        argmax = logits.argmax(dim=-1).tolist() if any(plain) else None
-        return [argmax[j] if plain[j] else
-                int(sample(apply_penalties(logits[j:j + 1], r.sampling, [r.prompt_ids], [r.output_ids],
-                                           [self._penalties(r, logits)]), r.sampling))
-                for j, r in enumerate(requests)]
+        """The next token of each request from its row of logits [n, V]: each row's penalties, then one batched
+        draw (`hybrid.sampling.sample`: each row with its own parameters and generator, on the logits' device),
+        and one transfer of the n ids to the host."""
+        rows = [r.sampling for r in requests]
+        if any(p.penalized for p in rows):
+            logits = apply_penalties(logits, rows, [r.prompt_ids for r in requests], [r.output_ids for r in requests],
+                                     [self._penalties(r, logits) for r in requests])
+        return sample(logits, rows).tolist()
 
     @staticmethod
     def _penalties(r: Request, logits: torch.Tensor) -> PenaltyState | None:
