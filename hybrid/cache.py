@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,11 +47,19 @@ class PackedSeqs:
     verifying: the sequences whose tokens verify draft tokens (speculative decoding): the Mamba layers keep
         their state after each of those tokens but the last (`handle.keep`), so that the engine can return
         to the state after the last accepted one.
+    device: where the step's index tensors live (`index`): the model's.
+
+    The layers' groups of sequences (`singles`, `chunks`, `ones`) are host lists; their positions and the cache's
+    slots and block tables reach the device as `index` tensors, all made in one copy before the layers run
+    (`prepare`), so that no layer waits for a host-to-device copy (on a GPU a plain copy from pageable memory
+    synchronises with the device).
     """
 
     lengths: list[int]
     past: list[int]
     verifying: frozenset[int] = frozenset()
+    device: torch.device | str = "cpu"
+    _index: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @functools.cached_property
     def decode_only(self) -> bool:
@@ -64,6 +72,49 @@ class PackedSeqs:
         for s, n in enumerate(self.lengths):
             yield s, start, start + n
             start += n
+
+    @functools.cached_property
+    def ones(self) -> list[tuple[int, int]]:
+        """(sequence, row) of every one-token sequence (attention attends them together)."""
+        return [(s, s0) for s, s0, s1 in self.segments() if s1 - s0 == 1]
+
+    @functools.cached_property
+    def singles(self) -> list[tuple[int, int]]:
+        """(sequence, row) of the one-token sequences that do not verify (the Mamba layers step them together)."""
+        return [(s, s0) for s, s0 in self.ones if s not in self.verifying]
+
+    @functools.cached_property
+    def chunks(self) -> list[tuple[int, int, int]]:
+        """(sequence, start, end) of the sequences of several tokens that do not verify (prompt chunks)."""
+        return [seg for seg in self.segments() if seg[2] - seg[1] > 1 and seg[0] not in self.verifying]
+
+    def index(self, values) -> torch.Tensor:
+        """`values` (ints) as an int64 tensor [len(values)] on `device`: the one `prepare` made for them, or,
+        for values it did not name, one made now (and kept for the rest of the step)."""
+        key = tuple(values)
+        if key not in self._index:
+            self._index[key] = torch.tensor(key, dtype=torch.long).to(self.device)
+        return self._index[key]
+
+    def prepare(self, more=()) -> None:
+        """Make the `index` tensors of the layers' own groups and of the sequences of ints `more` (the cache's
+        slots, block tables, ...) in one host-to-device copy (from pinned memory on a GPU, not waiting for it)."""
+        wanted = [[s0 for _, s0 in self.ones], [s for s, _ in self.ones], [s0 for _, s0 in self.singles],
+                  [s for s, _ in self.singles], [s for s, _, _ in self.chunks], [s0 for _, s0, _ in self.chunks],
+                  [s1 - s0 for _, s0, s1 in self.chunks], *more]
+        keys = list(dict.fromkeys(tuple(int(v) for v in w) for w in wanted if w))
+        keys = [k for k in keys if k not in self._index]
+        if not keys:
+            return
+        host = torch.tensor([v for k in keys for v in k], dtype=torch.long)
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        flat = host.to(device, non_blocking=True)
+        start = 0
+        for k in keys:
+            self._index[k] = flat[start:start + len(k)]
+            start += len(k)
 
 
 @dataclass

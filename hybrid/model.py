@@ -278,7 +278,8 @@ class HybridForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The normalised output of the stack, `norm_f(h)`: [B, T, hidden_size] in the model dtype (what
         `logits` and the MTP block read). Padded positions (False in `attention_mask`) may hold any id: they
-        never reach the embedding.
+        never reach the embedding. `input_ids` may lie on the CPU for a model on another device (the engine's:
+        they are checked there, with no read back from the device, then copied).
 
         Raises:
             ValueError: input_ids not [batch, tokens] of integers or with no tokens, a real token id outside
@@ -293,7 +294,8 @@ class HybridForCausalLM(nn.Module):
                              "one token per row")
         mask = self._token_mask(attention_mask, B, T, cache)
         ids = input_ids if mask is None else input_ids.masked_fill(~mask, 0)
-        self._check_ids(ids)  # before the cache advances
+        self._check_ids(ids)  # before the cache advances; where the ids are (a caller's host ids: no device read)
+        ids, mask = ids.to(self.device), None if mask is None else mask.to(self.device)
         ctx = cache.begin(B, T, mask) if cache is not None else StepContext(past=0, mask=mask, key_mask=mask)
         flat = ctx.packed is not None and B > 1  # a batch cache's rows: packed one after another
         h = self.backbone.embeddings(ids.reshape(1, B * T) if flat else ids)

@@ -116,25 +116,39 @@ def test_the_engine_on_the_gpu_path_serves_the_cpu_paths_tokens(packed, gpu_path
 HOST_READS = ("tolist", "item", "cpu", "numpy", "nonzero", "__bool__", "__int__", "__float__", "__index__")
 
 
+HOST_BUILDS = ("tensor", "as_tensor")
+
+
 def _host_reads_in_layers(model, step) -> list[str]:
     """The reads of a tensor's values into Python (`.tolist()`, `.item()`, `bool(t)`, ...: each a host
-    synchronisation on a GPU) that this project's code makes inside the model's layers during `step()`, as
-    "file:line method"."""
+    synchronisation on a GPU) and the tensors made from Python values (`torch.tensor`, `torch.as_tensor`,
+    `Tensor.new_tensor`: on a GPU a copy from pageable memory, which waits for the device) that this project's
+    code makes inside the model's layers during `step()`, as "file:line method"."""
     import sys
     from pathlib import Path
 
     root = Path(hybrid.__file__).resolve().parents[1]
     project = (str(root / "hybrid"), str(root / "moe"))
     inside, seen = [False], []
-    real = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    real = {name: getattr(torch.Tensor, name) for name in HOST_READS + ("new_tensor",)}
+    real_builds = {name: getattr(torch, name) for name in HOST_BUILDS}
+
+    def note(name):
+        caller = sys._getframe(2)
+        if inside[0] and caller.f_code.co_filename.startswith(project):
+            seen.append(f"{Path(caller.f_code.co_filename).relative_to(root)}:{caller.f_lineno} {name}")
 
     def spy(name):
         def read(self, *args, **kwargs):
-            caller = sys._getframe(1)
-            if inside[0] and caller.f_code.co_filename.startswith(project):
-                seen.append(f"{Path(caller.f_code.co_filename).relative_to(root)}:{caller.f_lineno} {name}")
+            note(name)
             return real[name](self, *args, **kwargs)
         return read
+
+    def spy_build(name):
+        def build(*args, **kwargs):
+            note(name)
+            return real_builds[name](*args, **kwargs)
+        return build
 
     def enter(*_):
         inside[0] = True
@@ -145,37 +159,49 @@ def _host_reads_in_layers(model, step) -> list[str]:
     hooks = [h for layer in model.backbone.layers
              for h in (layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave))]
     try:
-        for name in HOST_READS:
+        for name in real:
             setattr(torch.Tensor, name, spy(name))
+        for name in HOST_BUILDS:
+            setattr(torch, name, spy_build(name))
         step()
     finally:
         for name, method in real.items():
             setattr(torch.Tensor, name, method)
+        for name, function in real_builds.items():
+            setattr(torch, name, function)
         for h in hooks:
             h.remove()
     return seen
 
 
-def _decode_step_reads(directory) -> list[str]:
-    """16 requests through the engine until every one decodes; then the host reads of one decode step."""
+def _decode_step_reads(directory, prompts_beside: int = 0) -> list[str]:
+    """16 requests through the engine until every one decodes; then the host reads and builds of one decode
+    step (with `prompts_beside` new prompts packed beside the 16 decodes: a mixed step)."""
     model = hybrid.load_model(directory)
-    engine = Engine(model, num_blocks=128, max_num_seqs=16, max_num_batched_tokens=256)
+    engine = Engine(model, num_blocks=160, max_num_seqs=16 + prompts_beside, max_num_batched_tokens=256)
     g = torch.Generator().manual_seed(4)
     for n in range(16):
-        engine.add_request(torch.randint(5, 320, (3 + n,), generator=g).tolist(), SamplingParams(temperature=0),
+        engine.add_request(torch.randint(5, 320, (3 + n,), generator=g).tolist(), SamplingParams(temperature=0.7),
                            max_tokens=8)
     engine.step()  # every prompt in one step
     engine.step()  # the first decode step (kernels warmed)
+    for n in range(prompts_beside):
+        engine.add_request(torch.randint(5, 320, (5 + 3 * n,), generator=g).tolist(), max_tokens=2)
     reads = _host_reads_in_layers(model, engine.step)
-    assert engine.last_step.num_seqs == 16 and engine.last_step.num_tokens == 16  # a pure decode step
+    assert engine.last_step.num_seqs == 16 + prompts_beside
+    assert engine.last_step.num_decode_tokens == 16 and engine.last_step.num_tokens == 16 + sum(
+        5 + 3 * n for n in range(prompts_beside))
     return reads
 
 
 @needs_interpreter
 def test_a_packed_decode_step_reads_nothing_back_inside_the_layers(packed, gpu_path):
-    """A decode step of 16 sequences on the Triton path (FP8 / NVFP4 / MXFP4 weights): no layer reads a tensor's values
-    into Python, so on a GPU no layer waits for the device (what CUDA graphs need)."""
+    """A decode step of 16 sampled sequences on the Triton path (FP8 / NVFP4 / MXFP4 weights): no layer reads a
+    tensor's values into Python or makes a tensor from Python values (the step's index tensors are made before the
+    layers, in one copy), so on a GPU no layer waits for the device (what CUDA graphs need); nor does a step with
+    three prompts packed beside the 16 decodes."""
     assert _decode_step_reads(packed) == []
+    assert _decode_step_reads(packed, prompts_beside=3) == []
     assert gpu_path
 
 

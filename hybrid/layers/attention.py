@@ -75,14 +75,14 @@ class Attention(nn.Module):
             got = kv.attend_decode(seqs, q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1))
             return got.transpose(0, 1)[None].to(q.dtype)  # [1, nq, n, hd]
         segments = list(ctx.packed.segments())
-        ones = [i for i, (_, s0, s1) in enumerate(segments) if s1 - s0 == 1]
+        ones = ctx.packed.ones  # (sequence, row), the sequence's index in packed order
         outs: list[torch.Tensor | None] = [None] * len(segments)
         if ones:
-            at = torch.tensor([segments[i][1] for i in ones], device=q.device)
-            got = kv.attend_decode([segments[i][0] for i in ones], q[0][:, at].transpose(0, 1),
+            at = ctx.packed.index([s0 for _, s0 in ones])
+            got = kv.attend_decode([s for s, _ in ones], q[0][:, at].transpose(0, 1),
                                    k[0][:, at].transpose(0, 1), v[0][:, at].transpose(0, 1))  # [n, nq, hd]
-            for j, i in enumerate(ones):
-                outs[i] = got[j][None, :, None].to(q.dtype)
+            for j, (s, _) in enumerate(ones):
+                outs[s] = got[j][None, :, None].to(q.dtype)
         for i, (s, s0, s1) in enumerate(segments):
             if outs[i] is None:
                 outs[i] = self._attend(q[:, :, s0:s1], k[:, :, s0:s1], v[:, :, s0:s1], ctx.for_sequence(s), kv.seq(s))

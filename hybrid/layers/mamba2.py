@@ -83,19 +83,17 @@ class Mamba2Mixer(nn.Module):
         params = self._params()
         if packed.decode_only:  # every sequence one token, in packed order: one call, no gathering
             return mamba_decode_step(xBC, dt, *state.rows(range(len(packed.lengths))), *params)
-        segments = list(packed.segments())
-        singles = [(s, s0) for s, s0, s1 in segments if s1 - s0 == 1 and s not in packed.verifying]
-        chunks = [seg for seg in segments if seg[2] - seg[1] > 1 and seg[0] not in packed.verifying]
+        singles, chunks = packed.singles, packed.chunks
         if chunks:
             conv, ssm, index = state.rows([s for s, _, _ in chunks])
-            y = mamba_chunks(xBC, dt, conv, ssm, torch.tensor([s0 for _, s0, _ in chunks]),
-                             torch.tensor([s1 - s0 for _, s0, s1 in chunks]), index, *params, self.chunk_size)
+            y = mamba_chunks(xBC, dt, conv, ssm, packed.index([s0 for _, s0, _ in chunks]),
+                             packed.index([s1 - s0 for _, s0, s1 in chunks]), index, *params, self.chunk_size)
         else:
             y = torch.zeros(xBC.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=xBC.device)
         if singles:
-            at = torch.tensor([s0 for _, s0 in singles], device=xBC.device)
+            at = packed.index([s0 for _, s0 in singles])
             y[at] = mamba_decode_step(xBC[at], dt[at], *state.rows([s for s, _ in singles]), *params)
-        verifying = [seg for seg in segments if seg[0] in packed.verifying]
+        verifying = [seg for seg in packed.segments() if seg[0] in packed.verifying]
         if verifying:
             self._verify(xBC, dt, verifying, state, y)
         return y

@@ -79,17 +79,19 @@ def triton_attention_module():
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           rows: list[torch.Tensor]) -> torch.Tensor:
+                           rows: list[torch.Tensor], table: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """One query per sequence over its rows of a paged pool: q [n, nq, hd], k_pool / v_pool [P, nkv, hd] (the
     pool's blocks flattened), rows[i] the pool rows of sequence i's positions in order (int64) -> [n, nq, hd]
-    fp32. The CPU kernel's paged entry reads the rows in place, and on the GPU path this project's Triton kernel
-    (`triton_attention.py`, one launch); elsewhere the rows are gathered per sequence (the specification)."""
+    fp32. `table`: the same rows as (all of them concatenated, each sequence's start in that, its length), int64
+    on q's device, when the caller made them before the layers (the Triton kernel's form; made from `rows` when
+    not given). The CPU kernel's paged entry reads the rows in place, and on the GPU path this project's Triton
+    kernel (`triton_attention.py`, one launch); elsewhere the rows are gathered per sequence (the specification)."""
     ext = decode_kernel(q, k_pool)
     if ext is not None:
         return ext.paged_decode_attention(q, k_pool, v_pool, rows, q.shape[-1] ** -0.5)
     if (kernels := backend.triton_kernels(q, triton_attention_module)) is not None and q.dtype == k_pool.dtype == \
             v_pool.dtype and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1:
-        return kernels.paged_decode_attention(q, k_pool, v_pool, rows)
+        return kernels.paged_decode_attention(q, k_pool, v_pool, rows, table)
     outs = [decode_attention(q[i:i + 1, :, None].float(), k_pool[r].transpose(0, 1)[None],
                              v_pool[r].transpose(0, 1)[None]) for i, r in enumerate(rows)]
     return torch.cat(outs)[:, :, 0]

@@ -74,10 +74,11 @@ if triton is not None:
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           rows: list[torch.Tensor]) -> torch.Tensor:
+                           rows: list[torch.Tensor], table: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """`hybrid.ops.paged_decode_attention` in one launch (arguments and result as there): q [n, nq, hd],
     k_pool / v_pool [P, nkv, hd] with the head dimension contiguous, rows[i] the pool rows of sequence i (at
-    least one) -> [n, nq, hd] fp32.
+    least one) -> [n, nq, hd] fp32; `table` (flat rows, starts, lengths on q's device) the kernel's arguments,
+    made here from `rows` when not given (a host-to-device copy).
 
     Raises:
         ValueError: a sequence without rows, or query heads that are not a multiple of the KV heads.
@@ -87,17 +88,19 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     lengths = [r.shape[0] for r in rows]  # shapes: host metadata, no device read
     if nq % nkv or min(lengths, default=1) < 1:
         raise ValueError(f"paged decode attention: {nq} query heads over {nkv} KV heads, sequence lengths {lengths}")
-    starts = [0]
-    for length in lengths[:-1]:
-        starts.append(starts[-1] + length)
-    flat = torch.cat(rows).to(device=q.device, dtype=torch.int64)
-    meta = torch.tensor([starts, lengths], dtype=torch.int64).to(q.device)
+    if table is None:
+        starts = [0]
+        for length in lengths[:-1]:
+            starts.append(starts[-1] + length)
+        meta = torch.tensor([starts, lengths], dtype=torch.int64).to(q.device)
+        table = torch.cat(rows).to(device=q.device, dtype=torch.int64), meta[0], meta[1]
+    flat, starts, lengths = table
     q = q.contiguous()
     out = torch.empty(n, nq, hd, dtype=torch.float32, device=q.device)
     G = nq // nkv
     with backend.launch_guard(q.device):
         _paged_decode[(n, nkv)](
-            q, k_pool, v_pool, flat, meta[0], meta[1], out, hd ** -0.5,
+            q, k_pool, v_pool, flat, starts, lengths, out, hd ** -0.5,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             out.stride(0), out.stride(1), G, hd,
             BG=max(16, triton.next_power_of_2(G)), BS=KEY_BLOCK, BD=max(16, triton.next_power_of_2(hd)),

@@ -238,7 +238,7 @@ class Engine:
             self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n, bool(r.draft_ids))
                                  for r, n in scheduled])
             ids = [t for r, n in scheduled for t in r.step_ids(n)]
-            hidden = self.model.hidden_states(torch.tensor([ids], device=self.model.device), self.cache)[0]
+            hidden = self.model.hidden_states(torch.tensor([ids]), self.cache)[0]  # checked on the host
             if len(ids) == len(scheduled):  # a decode step: every row is a sequence's last
                 last_hidden = hidden
             else:

@@ -78,10 +78,10 @@ class _KVLayer:
         rows in the pool (`hybrid.ops.paged_decode_attention`: on the CPU read in place, no gathered copy)
         -> [n, nq, hd] fp32."""
         k_pool, v_pool = self._pools()
-        rows, new = self.cache.decode_rows(seqs)
+        rows, new, table = self.cache.decode_rows(seqs)
         k_pool.index_copy_(0, new, k.to(k_pool.dtype))
         v_pool.index_copy_(0, new, v.to(v_pool.dtype))
-        return paged_decode_attention(q, k_pool, v_pool, rows)
+        return paged_decode_attention(q, k_pool, v_pool, rows, table)
 
 
 class _MambaLayer:
@@ -119,7 +119,8 @@ class PagedCache(Cache):
         self._per_step: dict[tuple, object] = {}  # what the layers of this step ask alike, made once
         # (Mamba layer, token) -> (sequences, their conv and ssm states after that token): `keep`, `accept`
         self.kept: dict[tuple[int, int], tuple[list[int], torch.Tensor, torch.Tensor]] = {}
-        self._offsets = torch.arange(blocks.block_size, device=blocks.k[0].device if blocks.k else "cpu")
+        self.device = (blocks.k[0] if blocks.k else slots.ssm[0] if slots.ssm else torch.empty(0)).device
+        self._offsets = torch.arange(blocks.block_size, device=self.device)
         self._layers = []
         k, v = (blocks.mtp_k, blocks.mtp_v) if mtp else (blocks.k, blocks.v)
         n_kv = n_mamba = 0
@@ -149,8 +150,35 @@ class PagedCache(Cache):
         self.seqs, self._per_step, self.kept = list(seqs), {}, {}
         self.num_tokens = sum(s.num_tokens for s in seqs)
         self.packed = PackedSeqs([s.num_tokens for s in seqs], [s.past for s in seqs],
-                                 frozenset(i for i, s in enumerate(seqs) if s.verify))
+                                 frozenset(i for i, s in enumerate(seqs) if s.verify), self.device)
+        self.packed.prepare(self._step_tables())
         return self.packed
+
+    def _step_tables(self) -> list[list[int]]:
+        """The ints this step's layers ask for as device tensors (`PackedSeqs.index`), made before they run:
+        the state slots of all, the single-token and the chunk sequences (Mamba), each sequence's block table and
+        the one-token sequences' decode rows (attention)."""
+        packed = self.packed
+        slot = [s.slot for s in self.seqs]
+        tables = [slot, [slot[s] for s, _ in packed.singles], [slot[s] for s, _, _ in packed.chunks]]
+        if any(isinstance(layer, _KVLayer) for layer in self._layers):
+            tables += [self._block_table(s) for s in range(len(self.seqs))]
+            tables += self._decode_meta([s for s, _ in packed.ones])
+        return tables
+
+    def _block_table(self, s: int) -> list[int]:
+        """The blocks holding sequence `s`'s positions [0, past + new)."""
+        seq = self.seqs[s]
+        return seq.block_table[:-(-(seq.past + seq.num_tokens) // self.blocks.block_size)]
+
+    def _decode_meta(self, seqs) -> list[list[int]]:
+        """For a decode over sequences `seqs`: the pool row of each one's last position, each one's start in its
+        rows concatenated, and its number of positions."""
+        bs = self.blocks.block_size
+        lengths = [self.seqs[s].past + self.seqs[s].num_tokens for s in seqs]
+        new = [self.seqs[s].block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        return [new, starts, lengths]
 
     def accept(self, row: int, num_tokens: int) -> None:
         """Return verifying sequence `row` to its Mamba states after its first `num_tokens` tokens of the last
@@ -173,33 +201,29 @@ class PagedCache(Cache):
             ssm[seq.slot].copy_(kept_ssm[i])
 
     def position_index(self, s: int) -> torch.Tensor:
-        """Flat pool indices (block * block_size + offset) of sequence `s`'s positions [0, past + new)."""
+        """Flat pool indices (block * block_size + offset) of sequence `s`'s positions [0, past + new), from its
+        block table on the device (made in `schedule`), once a step."""
         key = ("rows", s)
         if key not in self._per_step:
-            seq, bs = self.seqs[s], self.blocks.block_size
-            n = seq.past + seq.num_tokens
-            table = torch.tensor(seq.block_table[:-(-n // bs)], dtype=torch.long, device=self._offsets.device)
-            self._per_step[key] = (table[:, None] * bs + self._offsets).flatten()[:n]
+            seq = self.seqs[s]
+            table = self.packed.index(self._block_table(s))
+            self._per_step[key] = (table[:, None] * self.blocks.block_size + self._offsets).flatten()[
+                :seq.past + seq.num_tokens]
         return self._per_step[key]
 
     def slot_index(self, seqs) -> torch.Tensor:
-        """The state slots of sequences `seqs` [len(seqs)] int64, on the pools' device (made once a step)."""
-        key = ("slots", tuple(seqs))
-        if key not in self._per_step:
-            device = self.slots.ssm[0].device if self.slots.ssm else "cpu"
-            self._per_step[key] = torch.tensor([self.seqs[s].slot for s in seqs], dtype=torch.long, device=device)
-        return self._per_step[key]
+        """The state slots of sequences `seqs` [len(seqs)] int64, on the pools' device (made in `schedule`)."""
+        return self.packed.index([self.seqs[s].slot for s in seqs])
 
-    def decode_rows(self, seqs) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """(each sequence's flat pool rows `position_index`, the rows of their last positions [len(seqs)]) for a
-        decode over sequences `seqs` (made once a step, shared by the attention layers)."""
+    def decode_rows(self, seqs) -> tuple[list[torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...]]:
+        """For a decode over sequences `seqs`: each one's flat pool rows (`position_index`), the rows of their
+        last positions [len(seqs)], and the rows as `paged_decode_attention`'s table (all concatenated, starts,
+        lengths); made once a step from the tensors `schedule` made, shared by the attention layers."""
         key = ("decode", tuple(seqs))
         if key not in self._per_step:
-            bs = self.blocks.block_size
-            last = [self.seqs[s].past + self.seqs[s].num_tokens - 1 for s in seqs]
-            new = [self.seqs[s].block_table[p // bs] * bs + p % bs for s, p in zip(seqs, last)]
-            self._per_step[key] = ([self.position_index(s) for s in seqs],
-                                   torch.tensor(new, dtype=torch.long, device=self._offsets.device))
+            rows = [self.position_index(s) for s in seqs]
+            new, starts, lengths = (self.packed.index(v) for v in self._decode_meta(seqs))
+            self._per_step[key] = (rows, new, (torch.cat(rows), starts, lengths))
         return self._per_step[key]
 
     # ------------------------------------------------------------------------------------------ Cache
