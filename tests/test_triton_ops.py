@@ -23,7 +23,7 @@ from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E
 
 @driver
 def test_the_kernels_in_the_interpreter():
-    run_in_interpreter(__file__, "11 passed, 1 skipped")
+    run_in_interpreter(__file__, "14 passed, 1 skipped")
 
 
 import hybrid.ops as ops  # noqa: E402
@@ -130,6 +130,49 @@ def test_prompt_chunks_over_slots_equal_the_specification(segments, L, K, bias):
     for s0, n in segments:
         inside[s0:s0 + n] = True
     assert not got[~inside].any()
+
+
+# ------------------------------------------------------------------------------------------ forward without a cache
+def _scan_mask(kind: str, b: int, T: int) -> torch.Tensor | None:
+    if kind == "none":
+        return None
+    mask = torch.ones(b, T, dtype=torch.bool)
+    mask[0, :3] = False  # left padding
+    mask[1, T - 4:] = False  # right padding
+    mask[2, [2, 5, 6]] = False  # holes
+    mask[3] = False  # a row of padding only
+    return mask
+
+
+@needs_interpreter
+@pytest.mark.parametrize("kind, states", [("none", False), ("padded", False), ("padded", True)])
+def test_the_forward_without_a_cache_equals_the_specification(kind, states):
+    """`hybrid.ops.mamba_scan` on the GPU path (no mamba-ssm here): the prompt-chunk kernels with each row one
+    segment, padding moved behind the real tokens; equal to `prefill.mamba_scan` at every real position, and the
+    states it continues (`conv` / `ssm`) updated as the specification updates them."""
+    b, T, nh, P, N, G, K = 5, 13, 4, 12, 10, 2, 4
+    g = torch.Generator().manual_seed(21)
+    d_inner = nh * P
+    channels = d_inner + 2 * G * N
+    xBC, dt = torch.randn(b, T, channels, generator=g), torch.randn(b, T, nh, generator=g)
+    args = (torch.randn(channels, K, generator=g) * 0.5, torch.randn(channels, generator=g),
+            torch.randn(nh, generator=g), -torch.rand(nh, generator=g) * 4, torch.randn(nh, generator=g),
+            (0.001, 0.5), d_inner, G)
+    mask = _scan_mask(kind, b, T)
+    conv = torch.randn(b, channels, K - 1, generator=g) if states else None
+    ssm = torch.randn(b, nh, P, N, generator=g) if states else None
+    want_conv, want_ssm = (conv.clone(), ssm.clone()) if states else (None, None)
+    want = prefill.mamba_scan(xBC, dt, *args, 8, conv1d.causal_conv1d, ssd.ssd_scan, mask, want_conv, want_ssm)
+    got_conv, got_ssm = (conv.clone(), ssm.clone()) if states else (None, None)
+    with backend.override("triton"):
+        got = ops.mamba_scan(xBC, dt, *args, 8, mask=mask, conv=got_conv, ssm=got_ssm)
+    real = mask if mask is not None else torch.ones(b, T, dtype=torch.bool)
+    torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
+    if states:
+        torch.testing.assert_close(got_conv, want_conv, rtol=0, atol=0)
+        torch.testing.assert_close(got_ssm, want_ssm, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got_ssm[3], ssm[3]) and torch.equal(got_conv[3], conv[3])  # no real token: unchanged
+    assert ops.kernel_status(True)["Mamba-2 prompt scan"].endswith("a forward without a cache: the same kernels)")
 
 
 # ------------------------------------------------------------------------------------------ paged attention

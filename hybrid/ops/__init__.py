@@ -111,7 +111,8 @@ def kernel_status(gpu_path: bool) -> dict[str, str]:
         step = "Triton (hybrid.ops.triton_mamba, over the state slots)" if ours else \
             packages("mamba-ssm", "causal-conv1d")
         chunks = "Triton (hybrid.ops.triton_mamba, recurrent form over the state slots; a forward without a " \
-            f"cache: {packages('mamba-ssm')})" if ours else packages("mamba-ssm")
+            "cache: " + ("mamba-ssm's chunked scan)" if import_error("mamba-ssm") is None else "the same kernels)") \
+            if ours else packages("mamba-ssm")
         return {"Mamba-2 prompt scan": chunks,
                 "Mamba-2 decode step": step,
                 "RMSNorm": "PyTorch",
@@ -243,9 +244,17 @@ def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bi
 
 def mamba_scan(xBC, dt, weight, bias, dt_bias, A, D, time_step_limit, d_inner: int, n_groups: int, chunk_size: int,
                mask=None, conv=None, ssm=None) -> torch.Tensor:
-    """Several tokens of B rows through the conv, dt and the chunked SSD scan (`hybrid.ops.prefill.mamba_scan`:
-    the forward without a cache, padding masked; mamba-ssm's scan on the GPU path): xBC [B, T, conv_dim], dt
-    [B, T, nh] -> y [B, T, nh, P] fp32 with the D skip."""
+    """Several tokens of B rows through the conv, dt and the chunked SSD scan (the forward without a cache,
+    padding masked: `mask` [B, T] bool, True for real tokens; `conv` / `ssm`: states to continue, updated in
+    place): xBC [B, T, conv_dim], dt [B, T, nh] (raw) -> y [B, T, nh, P] fp32 with the D skip (at padded
+    positions any value). On the GPU path mamba-ssm's chunked scan where it imports (the matrix form: fewer
+    operations on long rows), else this project's Triton kernels (`triton_mamba.mamba_scan`: each row a segment
+    of the prompt-chunk kernels), else the specification (`hybrid.ops.prefill.mamba_scan`)."""
+    if backend.gpu_path(xBC) and _mamba_ssm() is None and (ssm is None or ssm.dtype == torch.float32) and not (
+            torch.is_grad_enabled() and xBC.requires_grad) \
+            and (kernels := backend.triton_kernels(xBC, _triton_mamba)) is not None:
+        return kernels.mamba_scan(xBC, dt, weight, bias, dt_bias, A, D, time_step_limit, d_inner, n_groups, mask,
+                                  conv, ssm)
     return _prefill.mamba_scan(xBC, dt, weight, bias, dt_bias, A, D, time_step_limit, d_inner, n_groups, chunk_size,
                                causal_conv1d, ssd_scan, mask, conv, ssm)
 

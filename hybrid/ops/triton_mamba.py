@@ -5,7 +5,7 @@ tensors) in two launches per layer, whatever S: the conv (`_conv_chunks_slots`: 
 the window in row `index[s]` of the conv pool, the new window written back, SiLU applied) and the SSD recurrence
 (`_ssd_chunks_slots`: dt = clamp(softplus(dt + dt_bias)), the state of row `index[s]` decayed and updated token by
 token in registers, y = state C + D x, the state written back). `mamba_decode_step` is the same with one token per
-sequence. No state is gathered into a batch and scattered back, and no value goes to the host. The
+sequence, and `mamba_scan` (the forward without a cache) with each batch row one segment. No state is gathered into a batch and scattered back, and no value goes to the host. The
 specifications are `hybrid/ops/prefill.py` and `hybrid/ops/decode.py` (tested against them under Triton's
 interpreter: tests/test_triton_ops.py). Sums are fp32; the conv output is
 rounded to the activations' dtype before the SSD step reads it, as the specification rounds it.
@@ -133,3 +133,30 @@ def mamba_decode_step(xBC, dt, conv, ssm, index, weight, bias, dt_bias, A, D, ti
     starts = torch.arange(S, device=xBC.device)
     return mamba_chunks(xBC, dt, conv, ssm, starts, torch.ones_like(starts), index.to(xBC.device), weight, bias,
                         dt_bias, A, D, time_step_limit, d_inner, n_groups)
+
+
+def mamba_scan(xBC, dt, weight, bias, dt_bias, A, D, time_step_limit, d_inner: int, n_groups: int, mask=None,
+               conv=None, ssm=None) -> torch.Tensor:
+    """`hybrid.ops.mamba_scan` (arguments and result as there, without `chunk_size`): y [b, T, nh, P] fp32 through
+    the prompt-chunk kernels, each of the b rows one segment of the flattened rows, from zero states (or `conv` /
+    `ssm` [b, ...], continued and updated in place). With a padding `mask` each row's real tokens are moved to its
+    front first (order kept, as the specification's conv does) and its segment is their number, so padding
+    reaches no state; the outputs at padded positions are zero. No value goes to the host."""
+    b, T, channels = xBC.shape
+    nh, K = A.shape[0], weight.shape[1]
+    P, N = d_inner // nh, (channels - d_inner) // (2 * n_groups)
+    rows = torch.arange(b, device=xBC.device)
+    if mask is None:
+        lengths = torch.full((b,), T, dtype=torch.long, device=xBC.device)
+    else:
+        order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # real tokens first
+        xBC = xBC.gather(1, order[..., None].expand(b, T, channels))
+        dt = dt.gather(1, order[..., None].expand(b, T, nh))
+        lengths = mask.sum(dim=1)
+    conv = xBC.new_zeros(b, channels, K - 1) if conv is None else conv
+    ssm = torch.zeros(b, nh, P, N, dtype=torch.float32, device=xBC.device) if ssm is None else ssm
+    y = mamba_chunks(xBC.reshape(b * T, channels), dt.reshape(b * T, nh), conv, ssm, rows * T, lengths, rows,
+                     weight, bias, dt_bias, A, D, time_step_limit, d_inner, n_groups).view(b, T, nh, P)
+    if mask is None:
+        return y
+    return torch.empty_like(y).scatter_(1, order[..., None, None].expand(b, T, nh, P), y)
