@@ -38,19 +38,17 @@ def resolve_device(name: str | None = None, local_rank: int | None = None) -> to
 
 
 def missing_kernels() -> dict[str, str]:
-    """{package: why it does not import} for the kernel packages of the GPU path (mamba-ssm, causal-conv1d,
-    triton); empty when all of them import."""
-    from hybrid import ops
+    """{package: why it does not import} for the GPU path's kernel package, triton (every GPU kernel of this
+    project is a Triton kernel; mamba-ssm and causal-conv1d are optional); empty when it imports."""
     from moe.quant.kernels import triton
 
-    missing = {name: ops.import_error(name) for name in ("mamba-ssm", "causal-conv1d")}
-    missing["triton"] = None if triton.available() else triton.IMPORT_ERROR
-    return {name: error for name, error in missing.items() if error is not None}
+    return {} if triton.available() else {"triton": triton.IMPORT_ERROR or "it does not import"}
 
 
 def check_required_kernels(device: torch.device | str) -> None:
-    """Under HYBRID_REQUIRE_CUDA_KERNELS=1, when `device` takes the GPU path: raise unless every kernel package
-    of that path imports (a load calls this first, so a server refuses to start instead of failing each request).
+    """Under HYBRID_REQUIRE_CUDA_KERNELS=1, when `device` takes the GPU path: raise unless the GPU path's kernel
+    package (triton) imports (a load calls this first, so a server refuses to start instead of failing each
+    request).
 
     Raises:
         KernelUnavailable: naming each package that does not import, and its error.

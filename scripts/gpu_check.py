@@ -9,13 +9,15 @@ against the CPU.
 Steps, in order (each reported in the JSON of --out, with pass / fail):
 
 1. environment: torch / CUDA / triton / mamba-ssm / causal-conv1d versions, the device's name and memory, and
-   which backend runs each hot operation there (`hybrid.devices.describe`). With HYBRID_REQUIRE_CUDA_KERNELS=1 a
-   kernel package of the GPU path that does not import (mamba-ssm, causal-conv1d, triton) fails this step, and
-   the kernel checks that need it fail too (`KernelUnavailable`).
+   which backend runs each hot operation there (`hybrid.devices.describe`). With HYBRID_REQUIRE_CUDA_KERNELS=1
+   triton, the GPU path's kernel package, must import (else this step fails, and the operations that need it
+   raise `KernelUnavailable`); mamba-ssm and causal-conv1d are optional and reported.
 2. kernels: each operation through the `hybrid.ops` seam (or the module the model runs) on the device against the
    PyTorch specification in float64, on inputs rounded to each of --dtypes (default fp32, bf16, fp16): the SSD
-   scan (a length with a partial last chunk, from a given state), the SSD step, the conv step (and its rolled
-   window), RMSNorm and the gated RMSNorm, the routed experts as a float bf16 bank and packed in FP8 / NVFP4 /
+   scan (a length with a partial last chunk, from a given state), the SSD step and the conv step (and its rolled
+   window) where mamba-ssm / causal-conv1d import (their kernels; skipped otherwise), the Mamba-2 decode step and
+   prompt chunks over state slots and the forward without a cache (padding), this project's Triton kernels,
+   RMSNorm and the gated RMSNorm, the routed experts as a float bf16 bank and packed in FP8 / NVFP4 /
    MXFP4 (one token and a batch, with ids outside [0, E), other ranks' experts, which must add nothing), and
    one-query GQA attention (an attention layer's decode step over a KV cache). Widths are Nano's (128 experts of
    1856 x 2688, top-6; Mamba 64 heads x 64, state 128, 8 groups, chunk 128; 32 query / 2 KV heads of 128);
@@ -33,7 +35,9 @@ Steps, in order (each reported in the JSON of --out, with pass / fail):
    PyTorch's paths, the specification), started at the beginning so that it overlaps the kernel checks.
 4. engine: 8 requests of mixed prompt lengths (1 to 150 tokens) together through `hybrid.serving.engine.Engine`
    (chunked prefills packed with decodes) on the device: each request's greedy tokens equal the CPU engine's
-   (same subprocess); a divergence is excused only at a near-tie of the reference, as above.
+   (same subprocess); a divergence is excused only at a near-tie of the reference, as above. On CUDA, a decode
+   step of 16 sampled sequences must make no host synchronisation inside the layers (torch's sync debug mode
+   counts them; the whole step's count is reported).
 5. --timings (only when every check above passed; no figure is asserted): a nano-slice
    (checkpoints/configs/bench-nano-slice.config.json, Nano's widths, 7 layers; random bf16 weights built once
    under --workdir, shared with scripts/bench.py) on the device in bf16: decode tok/s at batch 1 and 16, a
@@ -196,22 +200,18 @@ def _package_version(name: str) -> str | None:
         return None
 
 
-def missing_kernel_packages() -> dict[str, str]:
-    """{package: its import error} for the GPU path's kernel packages that do not import (mamba-ssm,
-    causal-conv1d: `hybrid.ops.import_error`; triton: `moe.quant.kernels.triton`); empty when all do."""
+def optional_kernel_packages() -> dict[str, str]:
+    """{package: "imports" or its import error} for mamba-ssm and causal-conv1d, whose kernels the GPU path
+    takes where they import (mamba-ssm's chunked scan for a forward without a cache) and does without."""
     from hybrid import ops
-    from moe.quant.kernels import triton as quant_triton
 
-    missing = {p: e for p in ("mamba-ssm", "causal-conv1d") if (e := ops.import_error(p)) is not None}
-    if not quant_triton.available():
-        missing["triton"] = quant_triton.IMPORT_ERROR or "it does not import"
-    return missing
+    return {p: ops.import_error(p) or "imports" for p in ("mamba-ssm", "causal-conv1d")}
 
 
 def check_environment(device: torch.device) -> dict:
     """Versions, the device, `describe(device)` ({operation: backend}); `pass` is False when
-    HYBRID_REQUIRE_CUDA_KERNELS=1 and a kernel package of the GPU path does not import."""
-    from hybrid.devices import describe
+    HYBRID_REQUIRE_CUDA_KERNELS=1 and triton, the GPU path's kernel package, does not import."""
+    from hybrid.devices import describe, missing_kernels
     from moe.quant.kernels import backend
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
@@ -230,7 +230,8 @@ def check_environment(device: torch.device) -> dict:
     info["require_cuda_kernels"] = backend.require_kernels()
     try:
         info["backends"] = describe(device)
-        info["missing_kernel_packages"] = missing_kernel_packages() if gpu_path else {}
+        info["missing_kernel_packages"] = missing_kernels() if gpu_path else {}
+        info["optional_kernel_packages"] = optional_kernel_packages() if gpu_path else {}
     except Exception as e:  # noqa: BLE001: a broken report of the backends is a failed check, not a crash
         info.setdefault("backends", {})
         info["missing_kernel_packages"] = {}
@@ -252,12 +253,14 @@ def _ssd_inputs(w: Widths, T: int, dtype: torch.dtype, seed: int):
     return x, dt, A, B, C, state
 
 
-def ssd_scan_float64(x, dt, A, B, C, chunk: int, state) -> tuple[torch.Tensor, torch.Tensor]:
+def ssd_scan_float64(x, dt, A, B, C, chunk: int, state=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The specification's chunked SSD scan (`hybrid.ops.ssd.ssd_chunk`, chunk by chunk) in float64 on the CPU:
     shapes as `hybrid.ops.ssd.ssd_scan` -> (y [b, T, h, p], final state [b, h, p, n]). Not `ssd.ssd_scan` or
     `ssd.ssd_step` themselves: those compute in fp32 whatever their inputs' dtype."""
     from hybrid.ops import ssd
 
+    if state is None:  # from zero
+        state = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1])
     x, dt, A, B, C, state = (t.cpu().double() for t in (x, dt, A, B, C, state))
     ys = []
     for s in range(0, x.shape[1], chunk):
@@ -379,6 +382,31 @@ def check_mamba_chunks(device: torch.device, w: Widths, dtype: str) -> dict[str,
                      D.to(device), limit, nh * P, G, w.chunk)
     return {"y": rel_error(y, want), "state": rel_error(on["state"], want_state),
             "window": rel_error(on["conv"], want_conv)}
+
+
+def check_mamba_scan(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:
+    """`hybrid.ops.mamba_scan`, the forward without a cache (this project's Triton kernels on a GPU without
+    mamba-ssm, mamba-ssm's chunked scan with it), over `w.batch` rows of `w.scan_len` positions, the second row
+    left-padded by 7, against the specification (`hybrid.ops.prefill.mamba_scan`) in float64 at the real
+    positions."""
+    from hybrid.ops import conv1d, mamba_scan, prefill
+
+    g = torch.Generator().manual_seed(9)
+    dt_ = DTYPES[dtype]
+    b, T, nh, P, G, K = w.batch, w.scan_len, w.heads, w.head_dim, w.groups, w.conv_kernel
+    xBC = torch.randn(b, T, w.conv_dim, generator=g).to(dt_)
+    dt = torch.randn(b, T, nh, generator=g).to(dt_)
+    mask = torch.ones(b, T, dtype=torch.bool)
+    mask[-1, :7] = False
+    weight = (torch.randn(w.conv_dim, K, generator=g) * 0.5).to(dt_)
+    bias = torch.randn(w.conv_dim, generator=g).to(dt_)
+    dt_bias, A, D = torch.randn(nh, generator=g), -torch.rand(nh, generator=g) * 4, torch.randn(nh, generator=g)
+    limit = (0.0, float("inf"))
+    want = prefill.mamba_scan(xBC.double(), dt.double(), weight.double(), bias.double(), dt_bias.double(), A.double(),
+                              D.double(), limit, nh * P, G, w.chunk, conv1d.causal_conv1d, ssd_scan_float64, mask)
+    y = mamba_scan(xBC.to(device), dt.to(device), weight.to(device), bias.to(device), dt_bias.to(device),
+                   A.to(device), D.to(device), limit, nh * P, G, w.chunk, mask=mask.to(device))
+    return {"y": rel_error(y.cpu()[mask], want[mask])}
 
 
 def check_rms_norm(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:
@@ -542,8 +570,11 @@ def check_experts(device: torch.device, w: Widths, dtypes: list[str]) -> list[di
 
 
 # name -> check(device, widths, dtype) -> {output: relative error}; the experts have their own (`check_experts`)
+# the checks of another package's kernels (they run only where it imports): check -> package
+OPTIONAL_PACKAGE_CHECKS = {"ssd_scan": "mamba-ssm", "ssd_step": "mamba-ssm", "conv_step": "causal-conv1d"}
 KERNEL_CHECKS = {"ssd_scan": check_ssd_scan, "ssd_step": check_ssd_step, "conv_step": check_conv_step,
                  "mamba_decode_step": check_mamba_decode_step, "mamba_chunks": check_mamba_chunks,
+                 "mamba_scan": check_mamba_scan,
                  "rms_norm": check_rms_norm, "gated_rms_norm": check_gated_rms_norm, "attention": check_attention}
 
 
@@ -551,9 +582,19 @@ KERNEL_CHECKS = {"ssd_scan": check_ssd_scan, "ssd_step": check_ssd_step, "conv_s
 def check_kernels(device: torch.device, w: Widths, dtypes: list[str]) -> list[dict]:
     """Every kernel check (`KERNEL_CHECKS` for each of `dtypes`, then `check_experts`) on `device` at widths `w`:
     a list of results {check, dtype, error, tolerance, pass, outputs[, exception]}."""
+    from hybrid import ops
+    from moe.quant.kernels import backend
+
     results = []
     for name, check in KERNEL_CHECKS.items():
         for d in dtypes:
+            package = OPTIONAL_PACKAGE_CHECKS.get(name)
+            if package is not None and backend.gpu_path_on(device) and ops.import_error(package) is not None:
+                results.append({"check": name, "dtype": d, "error": None, "tolerance": TOLERANCE[d], "pass": True,
+                                "outputs": {}, "skipped": f"{package} is not installed (optional: this project's "
+                                                          "kernels run without it)"})
+                log(f"  {name:16} {d:5} skipped: {results[-1]['skipped']}")
+                continue
             results.append(_guarded(name, d, TOLERANCE[d], lambda c=check, d=d: c(device, w, d)))
             r = results[-1]
             log(f"  {name:16} {d:5} error {_fmt(r['error']):>9} (tolerance {r['tolerance']:g}): "
@@ -759,6 +800,44 @@ def check_models(device: torch.device, ref: dict, checkpoints: dict[str, str], d
     return results
 
 
+@torch.inference_mode()
+def layer_syncs(model, prompt_list: list[list[int]]) -> dict | None:
+    """The host synchronisations of one decode step of 16 sampled sequences on CUDA, counted by torch's sync
+    debug mode (`torch.cuda.set_sync_debug_mode("warn")`: one warning per synchronising call): inside the model's
+    layers (none expected: the step's index tensors are made before them) and in the whole step (the sampled
+    ids' one transfer, the step's copies to the device). None off CUDA."""
+    import warnings
+
+    from hybrid.sampling import SamplingParams
+    from hybrid.serving.engine import Engine
+
+    if model.device.type != "cuda":
+        return None
+    engine = Engine(model, num_blocks=320, max_num_seqs=16, max_num_batched_tokens=4096)
+    for i in range(16):
+        engine.add_request(prompt_list[i % len(prompt_list)], SamplingParams(temperature=0.8, top_p=0.9, seed=i),
+                           max_tokens=8)
+    while engine.last_step.num_tokens != 16 or engine.last_step.num_decode_tokens != 16:
+        engine.step()  # the prompts, then decode steps until one is a pure decode step of 16 (kernels warmed)
+    marks: list[tuple[int, int]] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hooks = [h for layer in model.backbone.layers for h in (
+            layer.register_forward_pre_hook(lambda *_: marks.append((len(caught), -1))),
+            layer.register_forward_hook(lambda *_: marks.append((marks.pop()[0], len(caught)))))]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            for h in hooks:
+                h.remove()
+    inside = [i for i in range(len(caught)) if any(a <= i < b for a, b in marks)]
+    return {"in_layers": len(inside), "in_step": len(caught), "decode_seqs": engine.last_step.num_seqs,
+            "first_in_layers": [str(caught[i].message)[:200] for i in inside[:3]]}
+
+
 def check_engine(device: torch.device, ref: dict, source: str, dtype: str) -> dict:
     """Step 4 (see the module docstring): the engine on `device` against the CPU engine's tokens."""
     import hybrid
@@ -768,6 +847,11 @@ def check_engine(device: torch.device, ref: dict, source: str, dtype: str) -> di
         got, _ = engine_tokens(model, ref["engine_prompts"], len(ref["engine_tokens"][0]))
         res = compare_engine(ref["engine_tokens"], ref["engine_gaps"], got, TIE_GAP[dtype])
         res["prompt_lengths"] = [len(p) for p in ref["engine_prompts"]]
+        res["syncs"] = layer_syncs(model, ref["engine_prompts"])
+        if res["syncs"] is not None:
+            res["pass"] = res["pass"] and res["syncs"]["in_layers"] == 0
+            log(f"  a decode step of 16: {res['syncs']['in_layers']} host synchronisations inside the layers, "
+                f"{res['syncs']['in_step']} in the whole step")
     except Exception as e:  # noqa: BLE001
         res = {"pass": False, "exception": one_line(e)}
     _free(device)
@@ -869,7 +953,12 @@ def print_summary(report: dict) -> None:
     if env["missing_kernel_packages"]:
         print(f"  missing kernel packages: {env['missing_kernel_packages']}"
               + (" (HYBRID_REQUIRE_CUDA_KERNELS=1: fail)" if env["require_cuda_kernels"] else ""))
+    if env.get("optional_kernel_packages"):
+        print("  optional kernel packages: " + ", ".join(f"{p} {how}" for p, how in env["optional_kernel_packages"].items()))
     for r in report.get("kernels", []):
+        if "skipped" in r:
+            print(f"skip  kernel {r['check']:16} {r['dtype']:5} {r['skipped']}")
+            continue
         print(f"{'pass' if r['pass'] else 'FAIL'}  kernel {r['check']:16} {r['dtype']:5} error {_fmt(r['error']):>9} "
               f"tolerance {r['tolerance']:g}" + (f"  {r['exception']}" if "exception" in r else ""))
     for r in report.get("model", []):
@@ -880,7 +969,9 @@ def print_summary(report: dict) -> None:
     if "engine" in report:
         e = report["engine"]
         print(f"{'pass' if e['pass'] else 'FAIL'}  engine " + (
-            f"{e['equal']} of {e['requests']} requests equal ({e['excused']} excused)" if "exception" not in e
+            f"{e['equal']} of {e['requests']} requests equal ({e['excused']} excused)" + (
+                f"; decode step of 16: {e['syncs']['in_layers']} host synchronisations in the layers, "
+                f"{e['syncs']['in_step']} in the step" if e.get("syncs") else "") if "exception" not in e
             else e["exception"]))
     t = report.get("timings")
     if t and "decode" in t:

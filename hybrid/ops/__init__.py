@@ -3,10 +3,11 @@
 The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`, `prefill.py`) are the specification; the mixer
 calls one operation per phase: `mamba_scan` (no cache), `mamba_chunks` (prompt chunks of packed sequences),
 `mamba_decode_step` (decode tokens). On the GPU path (a CUDA tensor, or any tensor under HYBRID_BACKEND=triton:
-`moe.quant.kernels.backend`), when the `mamba-ssm` / `causal-conv1d` packages (extra `cuda`) are importable, the
-SSD scan, the recurrent step and the decode conv step use their kernels instead (where they do not import,
-PyTorch's versions run, or under HYBRID_REQUIRE_CUDA_KERNELS=1 the operation raises `KernelUnavailable` naming
-the import error); on the CPU, the whole decode step of several sequences (`mamba_decode_step`) and the prompt
+`moe.quant.kernels.backend`) all three run in this project's Triton kernels (`triton_mamba.py`) where triton
+imports, except that a forward without a cache takes mamba-ssm's chunked scan where the optional `mamba-ssm`
+package (extra `mamba-kernels`) imports; without triton, the SSD scan, the recurrent step and the decode conv
+step take mamba-ssm's / causal-conv1d's kernels where those import, else PyTorch's versions (or, under
+HYBRID_REQUIRE_CUDA_KERNELS=1, the operation raises `KernelUnavailable` naming the import error); on the CPU, the whole decode step of several sequences (`mamba_decode_step`) and the prompt
 chunks of several sequences (`mamba_chunks` through `mamba_chunks_fused`: conv, dt and the SSD in its recurrent
 form, each state read and written once per chunk) run in the C++ kernels of `cpu.py` when they build. The scan
 kernels take the already processed `dt` (softplus, clamp and padding mask applied before them), so every path

@@ -2,8 +2,9 @@
 
     a CPU tensor    the project's C++ kernels (`hybrid.ops.cpu`; `moe.quant.kernels.cpu`, `bf16`, `amx`; the MoE
                     router's) where they build, else PyTorch (the specification)
-    a CUDA tensor   the GPU path: this project's Triton kernels (`moe.quant.kernels.triton`), mamba-ssm's and
-                    causal-conv1d's kernels where those packages import, else PyTorch
+    a CUDA tensor   the GPU path: this project's Triton kernels (`moe.quant.kernels.triton`, `hybrid.ops.triton_*`)
+                    where triton imports, mamba-ssm's chunked scan for a forward without a cache where it imports
+                    (optional), else PyTorch
 
 Environment:
     HYBRID_BACKEND=triton           CPU tensors take the GPU path too (`gpu_path`): with TRITON_INTERPRET=1 Triton
