@@ -347,7 +347,8 @@ def sample(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
     exponential race: token i wins with probability p_i; vLLM's sampler, which avoids `torch.multinomial`'s
     device synchronisation). Each row's noise comes from its own generator on that device
     (`SamplingParams.generator_on`; one shared `SamplingParams` draws every row from its one generator, an
-    unseeded row from torch's default one), so a seeded row gives the same token in any batch as alone.
+    unseeded row from torch's default one), so a seeded row gives the same token in any batch as alone. All rows
+    are filtered as one batch, not row by row (docs/perf-log.md#device-sampler).
 
     Raises:
         ValueError: `params` a list of another length than the rows (see `_per_row`).
