@@ -132,9 +132,10 @@ class Widths:
 NANO = Widths(experts=128, hidden=2688, intermediate=1856, top_k=6, tokens=33, heads=64, head_dim=64, state=128,
               groups=8, chunk=128, conv_kernel=4, scan_len=300, batch=2, q_heads=32, kv_heads=2, attn_head_dim=128,
               keys=1000)
-# --small: every width shrunk (16 and more: the Triton kernels' smallest tiles; MXFP4 needs multiples of 32)
+# --small: every width shrunk (16 and more: the Triton kernels' smallest tiles; MXFP4 needs multiples of 32); a scan
+# of 150 positions: past the chunked SSD's chunk of 64 (both of its forms run)
 SMALL = Widths(experts=8, hidden=96, intermediate=64, top_k=2, tokens=13, heads=4, head_dim=16, state=16, groups=2,
-               chunk=16, conv_kernel=4, scan_len=37, batch=2, q_heads=4, kv_heads=2, attn_head_dim=16, keys=37)
+               chunk=16, conv_kernel=4, scan_len=150, batch=2, q_heads=4, kv_heads=2, attn_head_dim=16, keys=37)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -354,9 +355,10 @@ def check_mamba_decode_step(device: torch.device, w: Widths, dtype: str) -> dict
 
 
 def check_mamba_chunks(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:
-    """`hybrid.ops.mamba_chunks` (this project's Triton kernels on a GPU) for two prompt chunks of `w.scan_len` and
-    5 tokens packed in one row, their states continued from rows of a pool in a scrambled order, against the
-    specification (`hybrid.ops.prefill.mamba_chunks`) in float64 (its scan sums in fp32)."""
+    """`hybrid.ops.mamba_chunks` (this project's Triton kernels on a GPU, the recurrent and the chunked form of the
+    SSD) for two prompt chunks of `w.scan_len` and 5 tokens packed in one row, their states continued from rows of
+    a pool in a scrambled order, against the specification (`hybrid.ops.prefill.mamba_chunks`) in float64 (its
+    scan sums in fp32)."""
     from hybrid.ops import conv1d, mamba_chunks, prefill, ssd
 
     g = torch.Generator().manual_seed(8)
@@ -376,12 +378,15 @@ def check_mamba_chunks(device: torch.device, w: Widths, dtype: str) -> dict[str,
     want = prefill.mamba_chunks(xBC.double(), dt.double(), want_conv, want_state, starts, n, index, weight.double(),
                                 bias.double(), dt_bias.double(), A.double(), D.double(), limit, nh * P, G, w.chunk,
                                 conv1d.causal_conv1d, ssd.ssd_scan)
-    on = {name: t.to(device) for name, t in dict(conv=conv, state=state).items()}
-    y = mamba_chunks(xBC.to(device), dt.to(device), on["conv"], on["state"], starts.to(device), n.to(device),
-                     index.to(device), weight.to(device), bias.to(device), dt_bias.to(device), A.to(device),
-                     D.to(device), limit, nh * P, G, w.chunk)
-    return {"y": rel_error(y, want), "state": rel_error(on["state"], want_state),
-            "window": rel_error(on["conv"], want_conv)}
+    errors = {}
+    for form, max_length in (("recurrent", None), ("chunked", max(lengths))):  # on the GPU path: both SSD forms
+        on = {name: t.to(device, copy=True) for name, t in dict(conv=conv, state=state).items()}
+        y = mamba_chunks(xBC.to(device), dt.to(device), on["conv"], on["state"], starts.to(device), n.to(device),
+                         index.to(device), weight.to(device), bias.to(device), dt_bias.to(device), A.to(device),
+                         D.to(device), limit, nh * P, G, w.chunk, max_length=max_length)
+        errors.update({f"y {form}": rel_error(y, want), f"state {form}": rel_error(on["state"], want_state),
+                       f"window {form}": rel_error(on["conv"], want_conv)})
+    return errors
 
 
 def check_mamba_scan(device: torch.device, w: Widths, dtype: str) -> dict[str, float]:

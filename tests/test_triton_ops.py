@@ -23,7 +23,7 @@ from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E
 
 @driver
 def test_the_kernels_in_the_interpreter():
-    run_in_interpreter(__file__, "14 passed, 1 skipped")
+    run_in_interpreter(__file__, "16 passed, 1 skipped")
 
 
 import hybrid.ops as ops  # noqa: E402
@@ -107,8 +107,13 @@ def test_the_seam_takes_the_kernels_on_the_gpu_path(monkeypatch):
     ([(0, 7), (9, 2), (12, 20)], 34, 4, True),  # a 2-token segment (shorter than the window), rows 7, 8 and 32, 33 outside
     ([(0, 1)], 1, 4, False),  # one token
     ([(3, 11), (14, 5)], 19, 3, True),
+    # the chunked form (a segment longer than triton_mamba.CHUNK = 64): 150 = two chunks and a part, beside a
+    # segment of one partial chunk and one of fewer tokens than the window
+    ([(0, 150), (152, 70), (230, 3)], 233, 4, True),
 ])
 def test_prompt_chunks_over_slots_equal_the_specification(segments, L, K, bias):
+    """Both forms of the SSD (recurrent up to one chunk, chunked past it: `max_length` picks) against the
+    specification: outputs, conv windows (exactly) and states."""
     from hybrid.ops import triton_mamba
 
     S, R, nh, P, N, G = len(segments), len(segments) + 2, 4, 12, 10, 2
@@ -122,7 +127,9 @@ def test_prompt_chunks_over_slots_equal_the_specification(segments, L, K, bias):
     want = prefill.mamba_chunks(case["xBC"], case["dt"], want_conv, want_ssm, starts, lengths, index, *args, 8,
                                 conv1d.causal_conv1d, ssd.ssd_scan)
     conv, ssm = case["conv"].clone(), case["ssm"].clone()
-    got = triton_mamba.mamba_chunks(case["xBC"], case["dt"], conv, ssm, starts, lengths, index, *args)
+    max_length = max(n for _, n in segments)
+    assert (max_length > triton_mamba.CHUNK) == (L == 233)
+    got = triton_mamba.mamba_chunks(case["xBC"], case["dt"], conv, ssm, starts, lengths, index, *args, max_length)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(conv, want_conv, rtol=0, atol=0)
     torch.testing.assert_close(ssm, want_ssm, rtol=1e-4, atol=1e-4)
@@ -145,12 +152,13 @@ def _scan_mask(kind: str, b: int, T: int) -> torch.Tensor | None:
 
 
 @needs_interpreter
-@pytest.mark.parametrize("kind, states", [("none", False), ("padded", False), ("padded", True)])
-def test_the_forward_without_a_cache_equals_the_specification(kind, states):
+@pytest.mark.parametrize("kind, states, T", [("none", False, 13), ("padded", False, 13), ("padded", True, 13),
+                                             ("padded", True, 140)])  # 140: the chunked form
+def test_the_forward_without_a_cache_equals_the_specification(kind, states, T):
     """`hybrid.ops.mamba_scan` on the GPU path (no mamba-ssm here): the prompt-chunk kernels with each row one
     segment, padding moved behind the real tokens; equal to `prefill.mamba_scan` at every real position, and the
     states it continues (`conv` / `ssm`) updated as the specification updates them."""
-    b, T, nh, P, N, G, K = 5, 13, 4, 12, 10, 2, 4
+    b, nh, P, N, G, K = 5, 4, 12, 10, 2, 4
     g = torch.Generator().manual_seed(21)
     d_inner = nh * P
     channels = d_inner + 2 * G * N

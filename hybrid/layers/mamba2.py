@@ -87,7 +87,8 @@ class Mamba2Mixer(nn.Module):
         if chunks:
             conv, ssm, index = state.rows([s for s, _, _ in chunks])
             y = mamba_chunks(xBC, dt, conv, ssm, packed.index([s0 for _, s0, _ in chunks]),
-                             packed.index([s1 - s0 for _, s0, s1 in chunks]), index, *params, self.chunk_size)
+                             packed.index([s1 - s0 for _, s0, s1 in chunks]), index, *params, self.chunk_size,
+                             max_length=max(s1 - s0 for _, s0, s1 in chunks))
         else:
             y = torch.zeros(xBC.shape[0], self.num_heads, self.head_dim, dtype=torch.float32, device=xBC.device)
         if singles:

@@ -111,7 +111,8 @@ def kernel_status(gpu_path: bool) -> dict[str, str]:
         ours = _triton_mamba().available()
         step = "Triton (hybrid.ops.triton_mamba, over the state slots)" if ours else \
             packages("mamba-ssm", "causal-conv1d")
-        chunks = "Triton (hybrid.ops.triton_mamba, recurrent form over the state slots; a forward without a " \
+        chunks = "Triton (hybrid.ops.triton_mamba, over the state slots: the chunked SSD for prompts longer than a " \
+            "chunk, else the recurrent form; a forward without a " \
             "cache: " + ("mamba-ssm's chunked scan)" if import_error("mamba-ssm") is None else "the same kernels)") \
             if ours else packages("mamba-ssm")
         return {"Mamba-2 prompt scan": chunks,
@@ -226,15 +227,17 @@ def mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias,
 
 
 def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
-                 d_inner: int, n_groups: int, chunk_size: int) -> torch.Tensor:
+                 d_inner: int, n_groups: int, chunk_size: int, max_length: int | None = None) -> torch.Tensor:
     """The prompt chunks of S sequences (arguments and result as `mamba_chunks_fused`; `chunk_size`: the SSD
-    scan's): on the GPU path this project's Triton kernels (`triton_mamba.mamba_chunks`: two launches, no host
-    round trip), on the CPU the C++ kernel where it runs (`mamba_chunks_fused`), else the PyTorch specification
-    (`hybrid.ops.prefill.mamba_chunks`: chunks of close lengths as right-padded batches, mamba-ssm's scan on the
-    GPU path without triton). Returns y [L, nh, P] fp32 (rows outside the segments zero)."""
+    scan's; `max_length`: the longest segment, a host int, where the caller knows it): on the GPU path this
+    project's Triton kernels (`triton_mamba.mamba_chunks`: the recurrent form, or the chunked one for segments
+    longer than its chunk when `max_length` says so; no host round trip), on the CPU the C++ kernel where it runs
+    (`mamba_chunks_fused`), else the PyTorch specification (`hybrid.ops.prefill.mamba_chunks`: chunks of close
+    lengths as right-padded batches, mamba-ssm's scan on the GPU path without triton). Returns y [L, nh, P] fp32
+    (rows outside the segments zero)."""
     if (kernels := _triton_slots(xBC, ssm)) is not None:
         return kernels.mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D,
-                                    time_step_limit, d_inner, n_groups)
+                                    time_step_limit, d_inner, n_groups, max_length)
     y = mamba_chunks_fused(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
                            d_inner, n_groups)
     if y is not None:

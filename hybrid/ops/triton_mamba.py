@@ -4,8 +4,10 @@
 tensors) in two launches per layer, whatever S: the conv (`_conv_chunks_slots`: inputs before a segment read from
 the window in row `index[s]` of the conv pool, the new window written back, SiLU applied) and the SSD recurrence
 (`_ssd_chunks_slots`: dt = clamp(softplus(dt + dt_bias)), the state of row `index[s]` decayed and updated token by
-token in registers, y = state C + D x, the state written back). `mamba_decode_step` is the same with one token per
-sequence, and `mamba_scan` (the forward without a cache) with each batch row one segment. No state is gathered into a batch and scattered back, and no value goes to the host. The
+token in registers, y = state C + D x, the state written back); when the caller says a segment is longer than one
+`CHUNK`, the SSD takes the chunked form instead (three launches: each chunk's state, the states passed from chunk
+to chunk, each chunk's outputs by matrix products; see `mamba_chunks`). `mamba_decode_step` is the same with one
+token per sequence, and `mamba_scan` (the forward without a cache) with each batch row one segment. No state is gathered into a batch and scattered back, and no value goes to the host. The
 specifications are `hybrid/ops/prefill.py` and `hybrid/ops/decode.py` (tested against them under Triton's
 interpreter: tests/test_triton_ops.py). Sums are fp32; the conv output is
 rounded to the activations' dtype before the SSD step reads it, as the specification rounds it.
@@ -26,6 +28,7 @@ except ImportError as e:  # triton is optional (the `cuda` extra)
 
 CONV_BLOCK = 128  # channels per program of the conv
 HEAD_DIM_BLOCK = 16  # head-dimension rows per program of the SSD recurrence
+CHUNK = 64  # tokens per chunk of the chunked SSD (segments longer than one chunk take it)
 
 
 def available() -> bool:
@@ -94,14 +97,112 @@ if triton is not None:
         tl.store(at, state, mask=m)
 
 
-def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
-                 d_inner: int, n_groups: int) -> torch.Tensor:
-    """`hybrid.ops.mamba_chunks` in two launches (arguments and result as there): y [L, nh, P] fp32, rows outside
-    the segments zero. The conv runs one program per (sequence, channel block), the SSD recurrence one per
-    (sequence, head, head-dimension block) stepping its tokens in order with the state in registers (the
-    recurrent form: no chunked matrix products; for long prompts mamba-ssm's chunked scan does fewer operations).
+    @triton.jit
+    def _dt_decay(dt_ptr, dt_bias_ptr, A_ptr, h, start, t, valid, stride_dl, lo, hi):
+        """dt = clamp(softplus(dt + dt_bias)) of tokens t of a segment (0 past its end), and a = the inclusive
+        cumulative sum of dt * A over them: the chunk's log-decays."""
+        dt = tl.load(dt_ptr + (start + t) * stride_dl + h, mask=valid, other=0.0).to(tl.float32) + \
+            tl.load(dt_bias_ptr + h).to(tl.float32)
+        dt = tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), lo), hi)
+        dt = tl.where(valid, dt, 0.0)
+        return dt, tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), axis=0)
 
-    Needs the pools' last dims contiguous as `mamba_decode_step` does; segments of one token or more.
+    @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:
+            return tl.dot(a, b, input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _ssd_chunk_states(xbc_ptr, dt_ptr, dt_bias_ptr, A_ptr, starts_ptr, lengths_ptr, states_ptr, decay_ptr, lo, hi,
+                          stride_xl, stride_dl, stride_ss, stride_sc, stride_sh, stride_sp, stride_ds, stride_dc,
+                          P, N, heads_per_group, d_inner,
+                          Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+        # chunk c of segment s, head h: its state from zero, sum_u exp(a_last - a_u) dt_u x_u B_u^T, and a_last
+        s, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(starts_ptr + s).to(tl.int64)
+        t = c * Q + tl.arange(0, Q)
+        valid = t < tl.load(lengths_ptr + s)
+        dt, a = _dt_decay(dt_ptr, dt_bias_ptr, A_ptr, h, start, t, valid, stride_dl, lo, hi)
+        a_last = tl.sum(dt * tl.load(A_ptr + h).to(tl.float32), axis=0)
+        p, n = tl.arange(0, BP), tl.arange(0, BN)
+        rows = xbc_ptr + (start + t)[:, None] * stride_xl
+        x = tl.load(rows + h * P + p[None, :], mask=valid[:, None] & (p < P)[None, :], other=0.0)
+        B = tl.load(rows + d_inner + (h // heads_per_group) * N + n[None, :], mask=valid[:, None] & (n < N)[None, :],
+                    other=0.0)
+        xw = (x.to(tl.float32) * (dt * tl.exp(a_last - a))[:, None]).to(x.dtype)
+        state = _dot(tl.trans(xw), B, IEEE)  # [BP, BN]
+        out = states_ptr + s * stride_ss + c * stride_sc + h * stride_sh + p[:, None] * stride_sp + n[None, :]
+        tl.store(out, state, mask=(p < P)[:, None] & (n < N)[None, :])
+        tl.store(decay_ptr + s * stride_ds + c * stride_dc + h, a_last)
+
+    @triton.jit
+    def _ssd_state_passing(state_ptr, index_ptr, lengths_ptr, states_ptr, decay_ptr,
+                           stride_sr, stride_sh, stride_sp, stride_ss, stride_sc, stride_ch, stride_cp,
+                           stride_ds, stride_dc, P, N, Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr):
+        # segment s, head h, head-dimension block: the state entering each chunk (written over the chunk's own
+        # state), from the slot's, chunk after chunk; the state after the last chunk back into the slot
+        s, h = tl.program_id(0), tl.program_id(1)
+        p = tl.program_id(2) * BP + tl.arange(0, BP)
+        n = tl.arange(0, BN)
+        m = (p < P)[:, None] & (n < N)[None, :]
+        slot = state_ptr + tl.load(index_ptr + s).to(tl.int64) * stride_sr + h * stride_sh + p[:, None] * stride_sp + \
+            n[None, :]
+        state = tl.load(slot, mask=m, other=0.0)
+        for c in range(0, tl.cdiv(tl.load(lengths_ptr + s), Q)):
+            at = states_ptr + s * stride_ss + c * stride_sc + h * stride_ch + p[:, None] * stride_cp + n[None, :]
+            own = tl.load(at, mask=m, other=0.0)
+            tl.store(at, state, mask=m)
+            state = state * tl.exp(tl.load(decay_ptr + s * stride_ds + c * stride_dc + h)) + own
+        tl.store(slot, state, mask=m)
+
+    @triton.jit
+    def _ssd_chunk_scan(xbc_ptr, dt_ptr, dt_bias_ptr, A_ptr, D_ptr, starts_ptr, lengths_ptr, states_ptr, y_ptr, lo, hi,
+                        stride_xl, stride_dl, stride_ss, stride_sc, stride_sh, stride_sp, stride_yl,
+                        P, N, heads_per_group, d_inner, group_width,
+                        Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+        # chunk c of segment s, head h: y_t = exp(a_t) C_t h_in + sum_{u <= t} (C_t . B_u) exp(a_t - a_u) dt_u x_u
+        # + D x_t, h_in the state entering the chunk
+        s, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(starts_ptr + s).to(tl.int64)
+        local = tl.arange(0, Q)
+        t = c * Q + local
+        valid = t < tl.load(lengths_ptr + s)
+        dt, a = _dt_decay(dt_ptr, dt_bias_ptr, A_ptr, h, start, t, valid, stride_dl, lo, hi)
+        p, n = tl.arange(0, BP), tl.arange(0, BN)
+        g = h // heads_per_group
+        rows = xbc_ptr + (start + t)[:, None] * stride_xl
+        mn = valid[:, None] & (n < N)[None, :]
+        x = tl.load(rows + h * P + p[None, :], mask=valid[:, None] & (p < P)[None, :], other=0.0)
+        B = tl.load(rows + d_inner + g * N + n[None, :], mask=mn, other=0.0)
+        C = tl.load(rows + d_inner + group_width + g * N + n[None, :], mask=mn, other=0.0)
+        h_in = tl.load(states_ptr + s * stride_ss + c * stride_sc + h * stride_sh + p[:, None] * stride_sp + n[None, :],
+                       mask=(p < P)[:, None] & (n < N)[None, :], other=0.0)
+        y = _dot(C.to(tl.float32), tl.trans(h_in), IEEE) * tl.exp(a)[:, None]  # [Q, BP]
+        causal = local[:, None] >= local[None, :]
+        decay = tl.exp(tl.where(causal, a[:, None] - a[None, :], float("-inf")))  # [Q, Q], 0 above the diagonal
+        mix = _dot(C, tl.trans(B), IEEE) * decay * dt[None, :]
+        y += _dot(mix.to(x.dtype), x, IEEE)
+        y += tl.load(D_ptr + h).to(tl.float32) * x.to(tl.float32)
+        tl.store(y_ptr + (start + t)[:, None] * stride_yl + h * P + p[None, :], y,
+                 mask=valid[:, None] & (p < P)[None, :])
+
+
+def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bias, A, D, time_step_limit,
+                 d_inner: int, n_groups: int, max_length: int | None = None) -> torch.Tensor:
+    """`hybrid.ops.mamba_chunks` (arguments and result as there): y [L, nh, P] fp32, rows outside the segments
+    zero. The conv runs one program per (sequence, channel block). The SSD then takes one of two forms:
+    - recurrent (`max_length` None, or at most `CHUNK`): one program per (sequence, head, head-dimension block)
+      stepping its tokens in order with the state in registers; one launch;
+    - chunked (`max_length`, the longest segment as a host int, above `CHUNK`): each segment cut into chunks of
+      `CHUNK` tokens; per chunk its state from zero (`_ssd_chunk_states`, one product), the states passed from
+      chunk to chunk from the slot's (`_ssd_state_passing`, the only sequential part: one step per chunk), and
+      the outputs (`_ssd_chunk_scan`: the state entering the chunk through C, plus the chunk's own tokens as
+      (C B^T masked by the decays) x, matrix products); three launches. The SSD paper's chunked algorithm: the
+      recurrence's O(length) dependent steps become O(length / CHUNK).
+
+    Needs the pools' last dims contiguous as `mamba_decode_step` does; segments of zero tokens or more.
     """
     L, channels = xBC.shape
     S = index.shape[0]
@@ -116,11 +217,32 @@ def mamba_chunks(xBC, dt, conv, ssm, starts, lengths, index, weight, bias, dt_bi
             xBC, conv, index, starts, lengths, weight.contiguous(), bias if bias is not None else weight, activated,
             channels, xBC.stride(0), conv.stride(0), conv.stride(1), conv.stride(2), activated.stride(0),
             K=K, HAS_BIAS=bias is not None, BC=CONV_BLOCK)
-        _ssd_chunks_slots[(S, nh, triton.cdiv(P, HEAD_DIM_BLOCK))](
-            activated, dt, dt_bias, A, D, ssm, index, starts, lengths, y, lo, hi,
-            activated.stride(0), dt.stride(0), ssm.stride(0), ssm.stride(1), ssm.stride(2), y.stride(0),
-            P, N, nh // n_groups, d_inner, n_groups * N,
-            BP=HEAD_DIM_BLOCK, BN=triton.next_power_of_2(N))
+        if max_length is None or max_length <= CHUNK:
+            _ssd_chunks_slots[(S, nh, triton.cdiv(P, HEAD_DIM_BLOCK))](
+                activated, dt, dt_bias, A, D, ssm, index, starts, lengths, y, lo, hi,
+                activated.stride(0), dt.stride(0), ssm.stride(0), ssm.stride(1), ssm.stride(2), y.stride(0),
+                P, N, nh // n_groups, d_inner, n_groups * N,
+                BP=HEAD_DIM_BLOCK, BN=triton.next_power_of_2(N))
+            return y
+        chunks = triton.cdiv(max_length, CHUNK)
+        states = torch.empty(S, chunks, nh, P, N, dtype=torch.float32, device=xBC.device)
+        decay = torch.empty(S, chunks, nh, dtype=torch.float32, device=xBC.device)
+        BP, BN = max(16, triton.next_power_of_2(P)), max(16, triton.next_power_of_2(N))
+        ieee = xBC.dtype == torch.float32
+        _ssd_chunk_states[(S, nh, chunks)](
+            activated, dt, dt_bias, A, starts, lengths, states, decay, lo, hi,
+            activated.stride(0), dt.stride(0), states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+            decay.stride(0), decay.stride(1), P, N, nh // n_groups, d_inner,
+            Q=CHUNK, BP=BP, BN=BN, IEEE=ieee)
+        _ssd_state_passing[(S, nh, triton.cdiv(P, HEAD_DIM_BLOCK))](
+            ssm, index, lengths, states, decay, ssm.stride(0), ssm.stride(1), ssm.stride(2),
+            states.stride(0), states.stride(1), states.stride(2), states.stride(3), decay.stride(0), decay.stride(1),
+            P, N, Q=CHUNK, BP=HEAD_DIM_BLOCK, BN=triton.next_power_of_2(N))
+        _ssd_chunk_scan[(S, nh, chunks)](
+            activated, dt, dt_bias, A, D, starts, lengths, states, y, lo, hi,
+            activated.stride(0), dt.stride(0), states.stride(0), states.stride(1), states.stride(2), states.stride(3),
+            y.stride(0), P, N, nh // n_groups, d_inner, n_groups * N,
+            Q=CHUNK, BP=BP, BN=BN, IEEE=ieee)
     return y
 
 
@@ -156,7 +278,7 @@ def mamba_scan(xBC, dt, weight, bias, dt_bias, A, D, time_step_limit, d_inner: i
     conv = xBC.new_zeros(b, channels, K - 1) if conv is None else conv
     ssm = torch.zeros(b, nh, P, N, dtype=torch.float32, device=xBC.device) if ssm is None else ssm
     y = mamba_chunks(xBC.reshape(b * T, channels), dt.reshape(b * T, nh), conv, ssm, rows * T, lengths, rows,
-                     weight, bias, dt_bias, A, D, time_step_limit, d_inner, n_groups).view(b, T, nh, P)
+                     weight, bias, dt_bias, A, D, time_step_limit, d_inner, n_groups, max_length=T).view(b, T, nh, P)
     if mask is None:
         return y
     return torch.empty_like(y).scatter_(1, order[..., None, None].expand(b, T, nh, P), y)
