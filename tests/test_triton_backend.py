@@ -174,9 +174,10 @@ def _host_reads_in_layers(model, step) -> list[str]:
     return seen
 
 
-def _decode_step_reads(directory, prompts_beside: int = 0) -> list[str]:
-    """16 requests through the engine until every one decodes; then the host reads and builds of one decode
-    step (with `prompts_beside` new prompts packed beside the 16 decodes: a mixed step)."""
+def _decode_step_reads(directory, prompts_beside: int = 3) -> tuple[list[str], list[str]]:
+    """16 sampled requests through the engine until every one decodes; then the host reads and builds of one
+    decode step, and of the next step with `prompts_beside` new prompts packed beside the 16 decodes (a mixed
+    step)."""
     model = hybrid.load_model(directory)
     engine = Engine(model, num_blocks=160, max_num_seqs=16 + prompts_beside, max_num_batched_tokens=256)
     g = torch.Generator().manual_seed(4)
@@ -185,13 +186,15 @@ def _decode_step_reads(directory, prompts_beside: int = 0) -> list[str]:
                            max_tokens=8)
     engine.step()  # every prompt in one step
     engine.step()  # the first decode step (kernels warmed)
+    decode = _host_reads_in_layers(model, engine.step)
+    assert engine.last_step.num_seqs == 16 and engine.last_step.num_tokens == 16  # a pure decode step
     for n in range(prompts_beside):
         engine.add_request(torch.randint(5, 320, (5 + 3 * n,), generator=g).tolist(), max_tokens=2)
-    reads = _host_reads_in_layers(model, engine.step)
+    mixed = _host_reads_in_layers(model, engine.step)
     assert engine.last_step.num_seqs == 16 + prompts_beside
     assert engine.last_step.num_decode_tokens == 16 and engine.last_step.num_tokens == 16 + sum(
         5 + 3 * n for n in range(prompts_beside))
-    return reads
+    return decode, mixed
 
 
 @needs_interpreter
@@ -200,8 +203,7 @@ def test_a_packed_decode_step_reads_nothing_back_inside_the_layers(packed, gpu_p
     tensor's values into Python or makes a tensor from Python values (the step's index tensors are made before the
     layers, in one copy), so on a GPU no layer waits for the device (what CUDA graphs need); nor does a step with
     three prompts packed beside the 16 decodes."""
-    assert _decode_step_reads(packed) == []
-    assert _decode_step_reads(packed, prompts_beside=3) == []
+    assert _decode_step_reads(packed) == ([], [])
     assert gpu_path
 
 
@@ -214,5 +216,5 @@ def test_a_float_decode_step_reads_nothing_back_inside_the_layers(tmp_path, gpu_
     real = triton.grouped_dense_matmul
     monkeypatch.setattr(triton, "grouped_dense_matmul", lambda *a, **k: launches.append(1) or real(*a, **k))
     directory = write_checkpoint(tmp_path / "float", pattern="M*MEME", seed=5, **SHAPES)
-    assert _decode_step_reads(directory) == []
+    assert _decode_step_reads(directory) == ([], [])
     assert launches
