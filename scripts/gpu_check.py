@@ -959,7 +959,8 @@ def print_summary(report: dict) -> None:
         print(f"  missing kernel packages: {env['missing_kernel_packages']}"
               + (" (HYBRID_REQUIRE_CUDA_KERNELS=1: fail)" if env["require_cuda_kernels"] else ""))
     if env.get("optional_kernel_packages"):
-        print("  optional kernel packages: " + ", ".join(f"{p} {how}" for p, how in env["optional_kernel_packages"].items()))
+        print("  optional kernel packages: "
+              + ", ".join(f"{p} {how}" for p, how in env["optional_kernel_packages"].items()))
     for r in report.get("kernels", []):
         if "skipped" in r:
             print(f"skip  kernel {r['check']:16} {r['dtype']:5} {r['skipped']}")

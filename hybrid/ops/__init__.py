@@ -1,19 +1,19 @@
 """The seam that picks the implementation of the Mamba-2 hot operations (and, from `attention.py`, of attention's).
 
-The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`, `prefill.py`) are the specification; the mixer
-calls one operation per phase: `mamba_scan` (no cache), `mamba_chunks` (prompt chunks of packed sequences),
+The plain PyTorch versions (`ssd.py`, `conv1d.py`, `decode.py`, `prefill.py`) are the specification; the mixer calls
+one operation per phase: `mamba_scan` (no cache), `mamba_chunks` (prompt chunks of packed sequences),
 `mamba_decode_step` (decode tokens). On the GPU path (a CUDA tensor, or any tensor under HYBRID_BACKEND=triton:
 `moe.quant.kernels.backend`) all three run in this project's Triton kernels (`triton_mamba.py`) where triton
-imports, except that a forward without a cache takes mamba-ssm's chunked scan where the optional `mamba-ssm`
-package (extra `mamba-kernels`) imports; without triton, the SSD scan, the recurrent step and the decode conv
-step take mamba-ssm's / causal-conv1d's kernels where those import, else PyTorch's versions (or, under
-HYBRID_REQUIRE_CUDA_KERNELS=1, the operation raises `KernelUnavailable` naming the import error); on the CPU, the whole decode step of several sequences (`mamba_decode_step`) and the prompt
-chunks of several sequences (`mamba_chunks` through `mamba_chunks_fused`: conv, dt and the SSD in its recurrent
-form, each state read and written once per chunk) run in the C++ kernels of `cpu.py` when they build. The scan
-kernels take the already processed `dt` (softplus, clamp and padding mask applied before them), so every path
-shares one definition of `dt` (tests/test_cases.py, case 1). The RMSNorms (`rms_norm`, `gated_rms_norm`;
-specification `norm.py`) run in one fused C++ call per norm on CPU tensors of fp32 / bf16 when no gradient is
-wanted.
+imports, except that a forward without a cache takes mamba-ssm's chunked scan where the optional `mamba-ssm` package
+(extra `mamba-kernels`) imports; without triton, the SSD scan, the recurrent step and the decode conv step take
+mamba-ssm's / causal-conv1d's kernels where those import, else PyTorch's versions (or, under
+HYBRID_REQUIRE_CUDA_KERNELS=1, the operation raises `KernelUnavailable` naming the import error); on the CPU, the
+whole decode step of several sequences (`mamba_decode_step`) and the prompt chunks of several sequences
+(`mamba_chunks` through `mamba_chunks_fused`: conv, dt and the SSD in its recurrent form, each state read and
+written once per chunk) run in the C++ kernels of `cpu.py` when they build. The scan kernels take the already
+processed `dt` (softplus, clamp and padding mask applied before them), so every path shares one definition of `dt`
+(tests/test_cases.py, case 1). The RMSNorms (`rms_norm`, `gated_rms_norm`; specification `norm.py`) run in one fused
+C++ call per norm on CPU tensors of fp32 / bf16 when no gradient is wanted.
 """
 
 from __future__ import annotations
@@ -251,9 +251,10 @@ def mamba_scan(xBC, dt, weight, bias, dt_bias, A, D, time_step_limit, d_inner: i
     """Several tokens of B rows through the conv, dt and the chunked SSD scan (the forward without a cache,
     padding masked: `mask` [B, T] bool, True for real tokens; `conv` / `ssm`: states to continue, updated in
     place): xBC [B, T, conv_dim], dt [B, T, nh] (raw) -> y [B, T, nh, P] fp32 with the D skip (at padded
-    positions any value). On the GPU path mamba-ssm's chunked scan where it imports (the matrix form: fewer
-    operations on long rows), else this project's Triton kernels (`triton_mamba.mamba_scan`: each row a segment
-    of the prompt-chunk kernels), else the specification (`hybrid.ops.prefill.mamba_scan`)."""
+    positions any value). On the GPU path mamba-ssm's chunked scan where it imports (the optional package,
+    selectable by installing it), else this project's Triton kernels (`triton_mamba.mamba_scan`: each row a
+    segment of the prompt-chunk kernels, chunked past one chunk), else the specification
+    (`hybrid.ops.prefill.mamba_scan`)."""
     if backend.gpu_path(xBC) and _mamba_ssm() is None and (ssm is None or ssm.dtype == torch.float32) and not (
             torch.is_grad_enabled() and xBC.requires_grad) \
             and (kernels := backend.triton_kernels(xBC, _triton_mamba)) is not None:

@@ -5,12 +5,12 @@ tensors) in two launches per layer, whatever S: the conv (`_conv_chunks_slots`: 
 the window in row `index[s]` of the conv pool, the new window written back, SiLU applied) and the SSD recurrence
 (`_ssd_chunks_slots`: dt = clamp(softplus(dt + dt_bias)), the state of row `index[s]` decayed and updated token by
 token in registers, y = state C + D x, the state written back); when the caller says a segment is longer than one
-`CHUNK`, the SSD takes the chunked form instead (three launches: each chunk's state, the states passed from chunk
-to chunk, each chunk's outputs by matrix products; see `mamba_chunks`). `mamba_decode_step` is the same with one
-token per sequence, and `mamba_scan` (the forward without a cache) with each batch row one segment. No state is gathered into a batch and scattered back, and no value goes to the host. The
-specifications are `hybrid/ops/prefill.py` and `hybrid/ops/decode.py` (tested against them under Triton's
-interpreter: tests/test_triton_ops.py). Sums are fp32; the conv output is
-rounded to the activations' dtype before the SSD step reads it, as the specification rounds it.
+`CHUNK`, the SSD takes the chunked form instead (three launches: each chunk's state, the states passed from chunk to
+chunk, each chunk's outputs by matrix products; see `mamba_chunks`). `mamba_decode_step` is the same with one token
+per sequence, and `mamba_scan` (the forward without a cache) with each batch row one segment. No state is gathered
+into a batch and scattered back, and no value goes to the host. The specifications are `hybrid/ops/prefill.py` and
+`hybrid/ops/decode.py` (tested against them under Triton's interpreter: tests/test_triton_ops.py). Sums are fp32;
+the conv output is rounded to the activations' dtype before the SSD step reads it, as the specification rounds it.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ the same block tables (position p of a sequence holds the MTP block's keys of hi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -177,8 +178,7 @@ class PagedCache(Cache):
         bs = self.blocks.block_size
         lengths = [self.seqs[s].past + self.seqs[s].num_tokens for s in seqs]
         new = [self.seqs[s].block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)]
-        starts = [sum(lengths[:i]) for i in range(len(lengths))]
-        return [new, starts, lengths]
+        return [new, [0, *itertools.accumulate(lengths[:-1])], lengths]
 
     def accept(self, row: int, num_tokens: int) -> None:
         """Return verifying sequence `row` to its Mamba states after its first `num_tokens` tokens of the last
