@@ -70,6 +70,35 @@ def test_a_request_among_15_others_gives_its_tokens_alone(checkpoint, name):
     assert staggered == expected
 
 
+def test_decode_steps_padded_to_buckets_give_the_unpadded_tokens(model):
+    """decode_buckets (the fixed shapes of CUDA graphs): a decode step of n sequences runs n real rows and
+    padding rows up to the smallest bucket that holds n; every request's tokens, greedy and seeded-sampled
+    (penalized too), equal those of the unpadded engine, as requests arrive, finish and run mixed steps."""
+    prompts = random_prompts(7, 1, 30, seed=40)
+    requests = list(zip(prompts, [3 + (5 * i) % 11 for i in range(7)]))
+    sampling = [SamplingParams(temperature=0.9, seed=i, top_p=0.9, repetition_penalty=1.1 if i % 3 == 0 else 1.0)
+                if i % 2 else SamplingParams() for i in range(7)]
+    sizes = []
+
+    def seen(engine):
+        sizes.append((engine.last_step.num_seqs, engine.cache.packed.lengths))
+
+    def serve(**kwargs):
+        engine = Engine(model, num_blocks=96, block_size=4, max_num_seqs=7, max_num_batched_tokens=24, **kwargs)
+        return run_staggered(engine, requests, every=2, sampling=sampling, seen=seen)
+
+    plain = serve()
+    sizes.clear()
+    padded = serve(decode_buckets=(1, 2, 4, 8))
+    assert padded == plain
+    decodes = [(n, lengths) for n, lengths in sizes if set(lengths) == {1}]
+    assert {len(lengths) for _, lengths in decodes} <= {1, 2, 4, 8}  # each decode step ran a bucket's rows
+    assert any(len(lengths) > n for n, lengths in decodes)  # with padding rows beside the real ones
+    assert all(len(lengths) == n for n, lengths in sizes if set(lengths) != {1})  # mixed steps: no padding
+    with pytest.raises(ValueError, match="a decode bucket must be an integer >= 1"):
+        Engine(model, num_blocks=8, decode_buckets=(4, 0))
+
+
 @pytest.mark.parametrize("budget", [1, 3, 7, 16, 64])
 def test_however_the_prompt_is_chunked(model, budget):
     prompt = random_prompts(1, 50, 50, seed=2)[0]

@@ -22,7 +22,7 @@ import math
 import numbers
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -98,17 +98,23 @@ class Engine:
         num_speculative_tokens: draft up to this many tokens per request and step with the model's MTP block
             and verify them in the next step (`hybrid.serving.speculation`; 0: off). Greedy requests give the
             tokens of plain decoding, sampled ones the same distribution; `speculative_stats` counts drafts.
+        decode_buckets: pad each decode step (every sequence one token, none verifying drafts) of n sequences
+            to the smallest of these sizes that holds n, with padding rows (token 0, in a state slot and a KV
+            block reserved for them, their outputs dropped): the fixed shapes a CUDA graph replays. A step
+            larger than every bucket runs unpadded. None (the default): no padding.
     Raises:
         ValueError: a size that is not an integer >= 1 (named), max_model_len past what the pool holds or
             below 2, a snapshot_interval that is not a multiple of block_size, num_speculative_tokens below 0,
-            or speculative decoding with a model it cannot draft for (`MTPDrafter`).
+            speculative decoding with a model it cannot draft for (`MTPDrafter`), or a decode bucket that is
+            not an integer >= 1.
     """
 
     def __init__(self, model: HybridForCausalLM, num_blocks: int = DEFAULT_NUM_BLOCKS,
                  block_size: int = DEFAULT_BLOCK_SIZE, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len: int | None = None,
                  prefix_caching: bool = False, snapshot_interval: int = DEFAULT_SNAPSHOT_INTERVAL,
-                 prefix_cache_bytes: int = DEFAULT_MAX_BYTES, grow: bool = False, num_speculative_tokens: int = 0):
+                 prefix_cache_bytes: int = DEFAULT_MAX_BYTES, grow: bool = False, num_speculative_tokens: int = 0,
+                 decode_buckets: Sequence[int] | None = None):
         self.model = model
         config = model.cache_config  # a rank's KV heads and Mamba state under tensor parallelism
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
@@ -118,9 +124,14 @@ class Engine:
             _check_size("max_model_len", max_model_len)
         _check_size("prefix_cache_bytes", prefix_cache_bytes, minimum=0)
         _check_size("num_speculative_tokens", num_speculative_tokens, minimum=0)
-        self.blocks = (GrowingBlockPool if grow else BlockPool)(config, num_blocks, block_size, model.dtype,
+        for size in decode_buckets or ():
+            _check_size("a decode bucket", size)
+        self.decode_buckets = sorted(set(decode_buckets or ()))
+        padding = 1 if self.decode_buckets else 0  # the padding rows' own slot and block, beside the requests'
+        self.blocks = (GrowingBlockPool if grow else BlockPool)(config, num_blocks + padding, block_size, model.dtype,
                                                                  model.device, mtp=num_speculative_tokens > 0)
-        self.slots = StateSlots(config, max_num_seqs, model.dtype, model.device)
+        self.slots = StateSlots(config, max_num_seqs + padding, model.dtype, model.device)
+        self._padding = ScheduledSeq([self.blocks.allocate()], self.slots.allocate(), 0, 1) if padding else None
         pool_tokens = num_blocks * block_size
         self.max_model_len = (None if grow else pool_tokens) if max_model_len is None else max_model_len
         if self.max_model_len is not None and not (2 <= self.max_model_len and (grow or self.max_model_len <= pool_tokens)):
@@ -235,10 +246,12 @@ class Engine:
         ends: list[tuple[Request, torch.Tensor, int | None]] = []
         hidden = last_hidden = None
         if scheduled:
-            self.cache.schedule([ScheduledSeq(r.block_table, r.slot, r.num_computed, n, bool(r.draft_ids))
-                                 for r, n in scheduled])
+            seqs = [ScheduledSeq(r.block_table, r.slot, r.num_computed, n, bool(r.draft_ids)) for r, n in scheduled]
             ids = [t for r, n in scheduled for t in r.step_ids(n)]
-            hidden = self.model.hidden_states(torch.tensor([ids]), self.cache)[0]  # checked on the host
+            pad = self._decode_padding(seqs)
+            self.cache.schedule(seqs + [self._padding] * pad)
+            hidden = self.model.hidden_states(torch.tensor([ids + [0] * pad]), self.cache)[0]  # checked on the host
+            hidden = hidden[:len(ids)] if pad else hidden
             if len(ids) == len(scheduled):  # a decode step: every row is a sequence's last
                 last_hidden = hidden
             else:
@@ -271,6 +284,13 @@ class Engine:
         self.last_step = StepStats(len(scheduled), sum(n for _, n in scheduled),
                                    sum(n for r, n in scheduled if r.output_ids and n == 1))
         return outputs + self._finish(ends, new_tokens, reasons)
+
+    def _decode_padding(self, seqs: list[ScheduledSeq]) -> int:
+        """The padding rows a step of `seqs` takes (`decode_buckets`): to the smallest bucket that holds a decode
+        step (every sequence one token, none verifying); 0 for any other step."""
+        if not self.decode_buckets or any(s.num_tokens != 1 or s.verify for s in seqs):
+            return 0
+        return next((b - len(seqs) for b in self.decode_buckets if b >= len(seqs)), 0)
 
     def _sample_ends(self, ends) -> tuple[list[list[tuple[int, torch.Tensor]]], dict[int, int]]:
         """Each end's new tokens with the logits row of each (`_sample` for one position; `accept` for a
