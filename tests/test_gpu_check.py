@@ -150,7 +150,7 @@ BROKEN = {"ssd_scan": ("hybrid.ops", "ssd_scan", _broken_ssd_scan),
           "gated_rms_norm": ("hybrid.ops", "gated_rms_norm", _broken_gated_rms_norm),
           # the paged decode attention with the KV heads of the query groups swapped
           "attention": ("hybrid.serving.paged_cache", "paged_decode_attention",
-                        lambda real: lambda q, k, v, rows, table=None: real(q, k.flip(1), v.flip(1), rows, table)),
+                        lambda real: lambda q, k, v, rows: real(q, k.flip(1), v.flip(1), rows)),
           # the forward without a cache with twice the decay
           "mamba_scan": ("hybrid.ops", "mamba_scan",
                          lambda real: lambda xBC, dt, w, b, dt_bias, A, *rest, **kw: real(xBC, dt, w, b, dt_bias, 2 * A,

@@ -23,7 +23,7 @@ from interpreter import driver, needs_interpreter, run_in_interpreter  # noqa: E
 
 @driver
 def test_the_kernels_in_the_interpreter():
-    run_in_interpreter(__file__, "16 passed, 1 skipped")
+    run_in_interpreter(__file__, "18 passed, 1 skipped")
 
 
 import hybrid.ops as ops  # noqa: E402
@@ -208,9 +208,35 @@ def test_paged_decode_attention_equals_the_specification(lengths, nq, nkv, hd):
     from hybrid.ops import triton_attention
 
     q, k_pool, v_pool, rows = _paged_case(lengths, nq, nkv, hd, 96, seed=sum(lengths))
-    got = triton_attention.paged_decode_attention(q, k_pool, v_pool, rows)
+    got = triton_attention.paged_decode_attention(q, k_pool, v_pool, ops.PagedTable.of_rows(rows))
     torch.testing.assert_close(got, _paged_spec(q, k_pool, v_pool, rows), rtol=1e-5, atol=1e-5)
     assert got.dtype == torch.float32 and got.shape == q.shape
+
+
+@needs_interpreter
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_decode_attention_over_block_tables_equals_the_specification(block_size):
+    """The engine's form: each sequence's blocks scattered over the pool in any order (a table with holes), its
+    last block partly used, the rows of a shorter table padded; against the specification over the same rows."""
+    from hybrid.ops import PagedTable, triton_attention
+
+    g = torch.Generator().manual_seed(block_size)
+    lengths, nq, nkv, hd, num_blocks = [1, 13, 70, 32], 8, 2, 16, 40
+    k_pool = torch.randn(num_blocks * block_size, nkv, hd, generator=g)
+    v_pool = torch.randn(num_blocks * block_size, nkv, hd, generator=g)
+    q = torch.randn(len(lengths), nq, hd, generator=g)
+    blocks = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in lengths:
+        tables.append(torch.tensor([blocks.pop() for _ in range(-(-n // block_size))]))
+    table = PagedTable(torch.nn.utils.rnn.pad_sequence(tables, batch_first=True), torch.tensor(lengths), lengths,
+                       block_size)
+    rows = [(t[:, None] * block_size + torch.arange(block_size)).flatten()[:n] for t, n in zip(tables, lengths)]
+    assert all(torch.equal(a, b) for a, b in zip(table.rows, rows))
+    got = triton_attention.paged_decode_attention(q, k_pool, v_pool, table)
+    torch.testing.assert_close(got, _paged_spec(q, k_pool, v_pool, rows), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ops.paged_decode_attention(q, k_pool, v_pool, table),
+                               ops.paged_decode_attention(q, k_pool, v_pool, rows), rtol=1e-5, atol=1e-5)
 
 
 @needs_interpreter
@@ -230,4 +256,4 @@ def test_paged_decode_attention_through_the_seam_and_its_errors(monkeypatch):
     assert calls == [1]
     assert ops.kernel_status(True)["decode attention"].startswith("Triton")
     with pytest.raises(ValueError, match="sequence lengths"):
-        real(q, k_pool, v_pool, [rows[0], rows[1][:0]])
+        real(q, k_pool, v_pool, ops.PagedTable.of_rows([rows[0], rows[1][:0]]))

@@ -28,12 +28,12 @@ from hybrid.ops import decode as _decode
 from hybrid.ops import norm as _norm
 from hybrid.ops import prefill as _prefill
 from hybrid.ops import ssd as _ssd
-from hybrid.ops.attention import (causal_attention, decode_attention, one_query_attention, paged_decode_attention,
-                                  triton_attention_module)
+from hybrid.ops.attention import (PagedTable, causal_attention, decode_attention, one_query_attention,
+                                  paged_decode_attention, triton_attention_module)
 from hybrid.ops.conv1d import causal_conv1d
 from moe.quant.kernels import backend
 
-__all__ = ["causal_attention", "causal_conv1d", "conv_step", "decode_attention", "gated_rms_norm", "import_error",
+__all__ = ["PagedTable", "causal_attention", "causal_conv1d", "conv_step", "decode_attention", "gated_rms_norm", "import_error",
            "kernel_status", "mamba_chunks", "mamba_chunks_fused", "mamba_decode_step", "mamba_scan",
            "one_query_attention", "paged_decode_attention", "rms_norm", "ssd_scan", "ssd_step"]
 

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -78,20 +80,51 @@ def triton_attention_module():
     return triton_attention
 
 
+class PagedTable:
+    """Where n sequences' positions lie in a paged pool: `block_tables` [n, W] int64 on the pool's device (sequence
+    i's blocks in order; entries past its last block unused), `lengths` [n] int64 its positions there, the same as
+    host ints `host_lengths`, and `block_size`: position p of sequence i is pool row
+    block_tables[i, p // block_size] * block_size + p % block_size (the form the GPU kernel reads; static in shape
+    for a CUDA graph). `rows` gives each sequence's rows as one list (the CPU kernel's form)."""
+
+    def __init__(self, block_tables: torch.Tensor, lengths: torch.Tensor, host_lengths: list[int], block_size: int):
+        self.block_tables, self.lengths, self.host_lengths, self.block_size = (block_tables, lengths, host_lengths,
+                                                                               block_size)
+
+    @classmethod
+    def of_rows(cls, rows: list[torch.Tensor]) -> "PagedTable":
+        """The table of per-sequence row lists (blocks of one row; a host-to-device copy of the lengths)."""
+        host = [int(r.shape[0]) for r in rows]  # shapes: host metadata, no device read
+        device = rows[0].device if rows else torch.device("cpu")
+        tables = torch.nn.utils.rnn.pad_sequence([r.to(torch.int64) for r in rows], batch_first=True) if rows else \
+            torch.zeros(0, 0, dtype=torch.int64, device=device)
+        return cls(tables, torch.tensor(host, dtype=torch.int64).to(device), host, 1)
+
+    @functools.cached_property
+    def rows(self) -> list[torch.Tensor]:
+        """Each sequence's pool rows in order, [lengths[i]] int64 each (device operations only)."""
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.block_tables.device)
+        return [(self.block_tables[i, :-(-n // bs)][:, None] * bs + offsets).flatten()[:n]
+                for i, n in enumerate(self.host_lengths)]
+
+
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           rows: list[torch.Tensor], table: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-    """One query per sequence over its rows of a paged pool: q [n, nq, hd], k_pool / v_pool [P, nkv, hd] (the
-    pool's blocks flattened), rows[i] the pool rows of sequence i's positions in order (int64) -> [n, nq, hd]
-    fp32. `table`: the same rows as (all of them concatenated, each sequence's start in that, its length), int64
-    on q's device, when the caller made them before the layers (the Triton kernel's form; made from `rows` when
-    not given). The CPU kernel's paged entry reads the rows in place, and on the GPU path this project's Triton
-    kernel (`triton_attention.py`, one launch); elsewhere the rows are gathered per sequence (the specification)."""
+                           rows: list[torch.Tensor] | PagedTable) -> torch.Tensor:
+    """One query per sequence over its positions in a paged pool: q [n, nq, hd], k_pool / v_pool [P, nkv, hd] (the
+    pool's blocks flattened), `rows` a `PagedTable` (the engine's: block tables made before the layers) or rows[i]
+    the pool rows of sequence i's positions in order (int64) -> [n, nq, hd] fp32. The CPU kernel's paged entry
+    reads the rows in place, and on the GPU path this project's Triton kernel (`triton_attention.py`, one launch,
+    over the block tables); elsewhere the rows are gathered per sequence (the specification)."""
     ext = decode_kernel(q, k_pool)
     if ext is not None:
-        return ext.paged_decode_attention(q, k_pool, v_pool, rows, q.shape[-1] ** -0.5)
+        listed = rows.rows if isinstance(rows, PagedTable) else rows
+        return ext.paged_decode_attention(q, k_pool, v_pool, listed, q.shape[-1] ** -0.5)
     if (kernels := backend.triton_kernels(q, triton_attention_module)) is not None and q.dtype == k_pool.dtype == \
             v_pool.dtype and k_pool.stride(-1) == 1 and v_pool.stride(-1) == 1:
-        return kernels.paged_decode_attention(q, k_pool, v_pool, rows, table)
+        return kernels.paged_decode_attention(q, k_pool, v_pool,
+                                              rows if isinstance(rows, PagedTable) else PagedTable.of_rows(rows))
+    listed = rows.rows if isinstance(rows, PagedTable) else rows
     outs = [decode_attention(q[i:i + 1, :, None].float(), k_pool[r].transpose(0, 1)[None],
-                             v_pool[r].transpose(0, 1)[None]) for i, r in enumerate(rows)]
+                             v_pool[r].transpose(0, 1)[None]) for i, r in enumerate(listed)]
     return torch.cat(outs)[:, :, 0]

@@ -19,14 +19,13 @@ the same block tables (position p of a sequence holds the MTP block's keys of hi
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from hybrid.cache import Cache, MambaState, PackedSeqs, StepContext
 from hybrid.config import ATTENTION, MAMBA, HybridConfig
-from hybrid.ops import paged_decode_attention
+from hybrid.ops import PagedTable, paged_decode_attention
 from hybrid.serving.blocks import BlockPool, GrowingBlockPool
 from hybrid.serving.slots import StateSlots
 
@@ -79,10 +78,10 @@ class _KVLayer:
         rows in the pool (`hybrid.ops.paged_decode_attention`: on the CPU read in place, no gathered copy)
         -> [n, nq, hd] fp32."""
         k_pool, v_pool = self._pools()
-        rows, new, table = self.cache.decode_rows(seqs)
+        new, table = self.cache.decode_rows(seqs)
         k_pool.index_copy_(0, new, k.to(k_pool.dtype))
         v_pool.index_copy_(0, new, v.to(v_pool.dtype))
-        return paged_decode_attention(q, k_pool, v_pool, rows, table)
+        return paged_decode_attention(q, k_pool, v_pool, table)
 
 
 class _MambaLayer:
@@ -173,12 +172,11 @@ class PagedCache(Cache):
         return seq.block_table[:-(-(seq.past + seq.num_tokens) // self.blocks.block_size)]
 
     def _decode_meta(self, seqs) -> list[list[int]]:
-        """For a decode over sequences `seqs`: the pool row of each one's last position, each one's start in its
-        rows concatenated, and its number of positions."""
+        """For a decode over sequences `seqs`: the pool row of each one's last position, and its number of
+        positions."""
         bs = self.blocks.block_size
         lengths = [self.seqs[s].past + self.seqs[s].num_tokens for s in seqs]
-        new = [self.seqs[s].block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)]
-        return [new, [0, *itertools.accumulate(lengths[:-1])], lengths]
+        return [[self.seqs[s].block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, lengths)], lengths]
 
     def accept(self, row: int, num_tokens: int) -> None:
         """Return verifying sequence `row` to its Mamba states after its first `num_tokens` tokens of the last
@@ -215,15 +213,17 @@ class PagedCache(Cache):
         """The state slots of sequences `seqs` [len(seqs)] int64, on the pools' device (made in `schedule`)."""
         return self.packed.index([self.seqs[s].slot for s in seqs])
 
-    def decode_rows(self, seqs) -> tuple[list[torch.Tensor], torch.Tensor, tuple[torch.Tensor, ...]]:
-        """For a decode over sequences `seqs`: each one's flat pool rows (`position_index`), the rows of their
-        last positions [len(seqs)], and the rows as `paged_decode_attention`'s table (all concatenated, starts,
-        lengths); made once a step from the tensors `schedule` made, shared by the attention layers."""
+    def decode_rows(self, seqs) -> tuple[torch.Tensor, PagedTable]:
+        """For a decode over sequences `seqs`: the pool rows of their last positions [len(seqs)], and where all of
+        their positions lie (`PagedTable`: their block tables, padded into one [len(seqs), W] tensor, and lengths);
+        made once a step from the tensors `schedule` made, shared by the attention layers."""
         key = ("decode", tuple(seqs))
         if key not in self._per_step:
-            rows = [self.position_index(s) for s in seqs]
-            new, starts, lengths = (self.packed.index(v) for v in self._decode_meta(seqs))
-            self._per_step[key] = (rows, new, (torch.cat(rows), starts, lengths))
+            new, lengths = (self.packed.index(v) for v in self._decode_meta(seqs))
+            tables = torch.nn.utils.rnn.pad_sequence([self.packed.index(self._block_table(s)) for s in seqs],
+                                                     batch_first=True)
+            host = [self.seqs[s].past + self.seqs[s].num_tokens for s in seqs]
+            self._per_step[key] = (new, PagedTable(tables, lengths, host, self.blocks.block_size))
         return self._per_step[key]
 
     # ------------------------------------------------------------------------------------------ Cache
