@@ -355,9 +355,8 @@ def sample(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
     """
     rows = _rows(params, logits.shape[0])
     greedy = [not p.temperature for p in rows]
-    argmax = logits.argmax(dim=-1)
     if all(greedy):
-        return argmax
+        return logits.argmax(dim=-1)
     probs = _filtered_logits(logits, rows).softmax(dim=-1)
     noise = torch.empty_like(probs)
     if isinstance(params, SamplingParams):
@@ -371,7 +370,8 @@ def sample(logits: torch.Tensor, params: Sampling) -> torch.Tensor:
                 noise[i].exponential_(generator=g)
     # an exponential draw of exactly 0 (possible in float) must not divide a probability of 0 into NaN
     drawn = (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
-    return torch.where(_column(greedy, logits, torch.bool)[:, 0], argmax, drawn) if any(greedy) else drawn
+    return torch.where(_column(greedy, logits, torch.bool)[:, 0], logits.argmax(dim=-1), drawn) if any(greedy) \
+        else drawn
 
 
 @dataclass

@@ -38,6 +38,11 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _softplus_clamp(dt, lo, hi):
+        """clamp(softplus(dt), lo, hi), softplus(x) = x past 20 (as torch's)."""
+        return tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), lo), hi)
+
+    @triton.jit
     def _conv_chunks_slots(x_ptr, conv_ptr, index_ptr, starts_ptr, lengths_ptr, w_ptr, b_ptr, out_ptr, channels,
                            stride_xl, stride_cr, stride_cc, stride_ck, stride_ol,
                            K: tl.constexpr, HAS_BIAS: tl.constexpr, BC: tl.constexpr):
@@ -86,8 +91,7 @@ if triton is not None:
         start = tl.load(starts_ptr + s).to(tl.int64)
         for t in range(0, tl.load(lengths_ptr + s)):  # the recurrence token by token, the state in registers
             row = xbc_ptr + (start + t) * stride_xl
-            dt = tl.load(dt_ptr + (start + t) * stride_dl + h).to(tl.float32) + dt_bias
-            dt = tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), lo), hi)
+            dt = _softplus_clamp(tl.load(dt_ptr + (start + t) * stride_dl + h).to(tl.float32) + dt_bias, lo, hi)
             x = tl.load(row + h * P + p, mask=mp, other=0.0).to(tl.float32)
             B = tl.load(row + d_inner + g * N + n, mask=mn, other=0.0).to(tl.float32)
             C = tl.load(row + d_inner + group_width + g * N + n, mask=mn, other=0.0).to(tl.float32)
@@ -101,9 +105,8 @@ if triton is not None:
     def _dt_decay(dt_ptr, dt_bias_ptr, A_ptr, h, start, t, valid, stride_dl, lo, hi):
         """dt = clamp(softplus(dt + dt_bias)) of tokens t of a segment (0 past its end), and a = the inclusive
         cumulative sum of dt * A over them: the chunk's log-decays."""
-        dt = tl.load(dt_ptr + (start + t) * stride_dl + h, mask=valid, other=0.0).to(tl.float32) + \
-            tl.load(dt_bias_ptr + h).to(tl.float32)
-        dt = tl.minimum(tl.maximum(tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))), lo), hi)
+        dt = _softplus_clamp(tl.load(dt_ptr + (start + t) * stride_dl + h, mask=valid, other=0.0).to(tl.float32) +
+                             tl.load(dt_bias_ptr + h).to(tl.float32), lo, hi)
         dt = tl.where(valid, dt, 0.0)
         return dt, tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), axis=0)
 
