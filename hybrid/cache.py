@@ -99,8 +99,7 @@ class PackedSeqs:
     def prepare(self, more=()) -> None:
         """Make the `index` tensors of the layers' own groups and of the sequences of ints `more` (the cache's
         slots, block tables, ...) in one host-to-device copy (from pinned memory on a GPU, not waiting for it)."""
-        wanted = [[s0 for _, s0 in self.ones], [s for s, _ in self.ones], [s0 for _, s0 in self.singles],
-                  [s for s, _ in self.singles], [s for s, _, _ in self.chunks], [s0 for _, s0, _ in self.chunks],
+        wanted = [[s0 for _, s0 in self.ones], [s0 for _, s0 in self.singles], [s0 for _, s0, _ in self.chunks],
                   [s1 - s0 for _, s0, s1 in self.chunks], *more]
         keys = list(dict.fromkeys(tuple(int(v) for v in w) for w in wanted if w))
         keys = [k for k in keys if k not in self._index]

@@ -100,7 +100,6 @@ if triton is not None:
             tl.store(y_ptr + (start + t) * stride_yl + h * P + p, y, mask=mp)
         tl.store(at, state, mask=m)
 
-
     @triton.jit
     def _dt_decay(dt_ptr, dt_bias_ptr, A_ptr, h, start, t, valid, stride_dl, lo, hi):
         """dt = clamp(softplus(dt + dt_bias)) of tokens t of a segment (0 past its end), and a = the inclusive

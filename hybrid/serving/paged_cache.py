@@ -219,11 +219,11 @@ class PagedCache(Cache):
         made once a step from the tensors `schedule` made, shared by the attention layers."""
         key = ("decode", tuple(seqs))
         if key not in self._per_step:
-            new, lengths = (self.packed.index(v) for v in self._decode_meta(seqs))
+            new, lengths = self._decode_meta(seqs)
             tables = torch.nn.utils.rnn.pad_sequence([self.packed.index(self._block_table(s)) for s in seqs],
                                                      batch_first=True)
-            host = [self.seqs[s].past + self.seqs[s].num_tokens for s in seqs]
-            self._per_step[key] = (new, PagedTable(tables, lengths, host, self.blocks.block_size))
+            self._per_step[key] = (self.packed.index(new), PagedTable(tables, self.packed.index(lengths), lengths,
+                                                                      self.blocks.block_size))
         return self._per_step[key]
 
     # ------------------------------------------------------------------------------------------ Cache
